@@ -1,0 +1,27 @@
+"""cllm: continuous-batching LLM serving over llama.cpp and PyTorch.
+
+    import cllm
+    llm = cllm.LLM()                                  # embedded SmolLM2, backend="llama_cpp"
+    outs = llm.generate(["The capital of France is"], cllm.SamplingParams(max_tokens=32, temperature=0))
+"""
+from __future__ import annotations
+
+from cllm.backends.base import Backend, BackendCapacity, Tokenizer
+from cllm.backends.registry import backend_names, describe_backends, get_backend_factory
+from cllm.config import CllmConfig, load_config
+from cllm.engine.async_llm import AsyncLLM
+from cllm.engine.llm import LLM
+from cllm.engine.stats import EngineStats
+from cllm.errors import ContextLengthError, EngineDeadError, QueueFullError
+from cllm.outputs import CompletionOutput, RequestOutput, Usage
+from cllm.request import RequestStatus
+from cllm.sampling.params import SamplingParams
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "LLM", "AsyncLLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Usage", "RequestStatus",
+    "CllmConfig", "load_config", "Backend", "BackendCapacity", "Tokenizer", "EngineStats",
+    "backend_names", "describe_backends", "get_backend_factory",
+    "ContextLengthError", "QueueFullError", "EngineDeadError", "__version__",
+]

@@ -1,0 +1,189 @@
+"""The backend contract every inference runtime implements.
+
+The scheduler decides *which* tokens of *which* sequences run each step; a
+backend only evaluates them and keeps each sequence's KV cache. One step is one
+call::
+
+    logits = backend.forward_batch(flat_ids, positions, sequence_ids,
+                                   logits_for=sampled_ids)
+
+Besides the forward pass a backend owns its KV room, so the scheduler asks it
+for room before scheduling tokens (``admit`` for a new sequence, ``reserve`` to
+grow one) and gives room back with ``release``. Both sides work with plain
+request-id strings: how an id maps onto a llama.cpp seq_id or onto a paged
+block table is the backend's business.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+
+class BackendError(RuntimeError):
+    """A forward pass failed for some sequences; only they fail, the engine lives.
+
+    ``sequence_ids`` names the sequences whose tokens were in the failing batch.
+    Their KV state is unknown afterwards, so the engine releases them.
+    """
+
+    def __init__(self, message: str, sequence_ids: Sequence[str]) -> None:
+        super().__init__(message)
+        self.sequence_ids = list(sequence_ids)
+
+
+class KVCacheFullError(BackendError):
+    """The backend found no KV room mid-batch: the scheduler should preempt and retry."""
+
+
+@dataclass(slots=True, frozen=True)
+class BackendCapacity:
+    """What the scheduler may ask of a backend in one step and overall."""
+
+    max_num_seqs: int  # sequences that can hold KV at once (llama.cpp: n_seq_max)
+    max_batch_tokens: int  # tokens one forward_batch call may carry (llama.cpp: n_batch)
+    max_model_len: int  # longest sequence (prompt + output) one request may reach
+    kv_tokens: int  # KV cache room in tokens, shared by all sequences
+
+
+@dataclass(slots=True, frozen=True)
+class Admission:
+    """A sequence got a place in the backend (slot / block table)."""
+
+    num_cached_tokens: int  # leading prompt tokens already in KV (prefix reuse); never all of them
+
+
+class Tokenizer(ABC):
+    """The model's tokenizer, as the engine needs it."""
+
+    @property
+    @abstractmethod
+    def vocab_size(self) -> int:
+        """Number of logits per row."""
+
+    @property
+    @abstractmethod
+    def eos_token_ids(self) -> frozenset[int]:
+        """Tokens that end generation (EOS and end-of-turn)."""
+
+    @property
+    @abstractmethod
+    def bos_token_id(self) -> int | None:
+        """Beginning-of-sequence token, if the model uses one."""
+
+    @abstractmethod
+    def encode(self, text: str, *, add_special: bool = True) -> list[int]:
+        """Text to token ids; ``add_special`` adds BOS where the model wants it."""
+
+    @abstractmethod
+    def decode(self, token_ids: Sequence[int]) -> str:
+        """Token ids to text; invalid/incomplete UTF-8 shows as U+FFFD."""
+
+    @abstractmethod
+    def token_bytes(self, token_id: int) -> bytes:
+        """The raw bytes one token stands for (for logprobs' ``bytes`` field)."""
+
+    @property
+    @abstractmethod
+    def chat_template(self) -> str | None:
+        """The Jinja chat template from the model's metadata, if it has one."""
+
+    def special_token(self, token_id: int) -> str:
+        """The text form of a special token, for templates ("<|im_end|>")."""
+        return self.decode([token_id])
+
+
+class Backend(ABC):
+    """An inference runtime the scheduler drives. See the module docstring."""
+
+    name: str = "base"
+
+    @property
+    @abstractmethod
+    def capacity(self) -> BackendCapacity:
+        """Fixed limits, read once by the scheduler."""
+
+    @property
+    @abstractmethod
+    def tokenizer(self) -> Tokenizer:
+        """The model's tokenizer."""
+
+    @abstractmethod
+    def admit(self, sequence_id: str, token_ids: Sequence[int]) -> Admission | None:
+        """Give a new (or resumed) sequence a place; None when none is free now.
+
+        ``token_ids`` is everything the sequence holds so far (prompt, plus
+        output already generated for a recompute-resumed sequence). A backend
+        with prefix reuse may report leading tokens already in KV; it never
+        reports all of them, because the last token must be evaluated to get
+        logits.
+        """
+
+    @abstractmethod
+    def reserve(self, sequence_id: str, num_tokens: int) -> bool:
+        """Make room for the admitted sequence to hold ``num_tokens`` tokens in KV.
+
+        False means the KV cache is full: the scheduler must preempt someone.
+        """
+
+    @abstractmethod
+    def forward_batch(
+        self,
+        flat_ids: Sequence[int],
+        positions: Sequence[int],
+        sequence_ids: Sequence[str],
+        *,
+        logits_for: Sequence[str] | None = None,
+    ) -> np.ndarray:
+        """Evaluate one step's tokens and return next-token logits.
+
+        flat_ids: every scheduled sequence's new tokens, concatenated; each
+            sequence's tokens are contiguous and in position order.
+        positions: the absolute position of each token in its own sequence.
+        sequence_ids: the sequence owning each token.
+        logits_for: the sequences whose last-token logits are wanted, in the
+            order of the returned rows; default: every sequence in the batch in
+            order of first appearance. A sequence whose prefill chunk is not
+            its last needs none.
+
+        Returns a float32 array of shape ``(len(logits_for), vocab_size)``.
+        Raises BackendError naming the sequences that failed.
+        """
+
+    @abstractmethod
+    def release(self, sequence_id: str, *, keep_cache: bool = True) -> None:
+        """Free the sequence's place and KV. Idempotent.
+
+        With ``keep_cache`` a backend with prefix reuse may keep the tokens as
+        reusable cache until the room is needed; without it the KV is dropped
+        (failed sequences, whose KV may be garbage).
+        """
+
+    def kv_usage(self) -> float:
+        """Fraction of KV room in use by live sequences (0..1)."""
+        return 0.0
+
+    def num_free_slots(self) -> int:
+        """Sequence places free now (idle cached slots count as free)."""
+        return self.capacity.max_num_seqs
+
+    # Optional capabilities. Each is discoverable through a `supports_*` flag.
+    supports_prefix_cache: bool = False
+    supports_state_swap: bool = False
+
+    def save_state(self, sequence_id: str) -> bytes:
+        """Snapshot one sequence's KV (swap-out preemption, migration)."""
+        raise RuntimeError(f"backend {self.name!r} cannot save sequence state")
+
+    def restore_state(self, sequence_id: str, state: bytes, token_ids: Sequence[int] = ()) -> bool:
+        """Load a snapshot of ``token_ids``' KV into an admitted sequence; False if it fails."""
+        raise RuntimeError(f"backend {self.name!r} cannot restore sequence state")
+
+    def prefix_cache_stats(self) -> tuple[int, int]:
+        """(prompt tokens asked for, prompt tokens served from cache) since start."""
+        return (0, 0)
+
+    def close(self) -> None:
+        """Free native resources. Idempotent."""

@@ -1,0 +1,172 @@
+"""One wrapper class per llama.cpp native handle: model, context, batch.
+
+Each takes keyword-only arguments, turns C return codes into exceptions right
+where they happen, and has an idempotent ``close()``. Free order: batch and
+context before the model (LlamaCppBackend.close does that).
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import threading
+from pathlib import Path
+
+import llama_cpp as C
+import numpy as np
+
+log = logging.getLogger("cllm.llama_cpp")
+_GGML_LOG_LEVEL_ERROR = 3
+_backend_once = threading.Lock()
+_backend_ready = False
+
+
+def _init_llama_backend() -> None:
+    """llama_backend_init is process-wide and must run once before any model loads."""
+    global _backend_ready
+    with _backend_once:
+        if not _backend_ready:
+            C.llama_backend_init()
+            C.llama_log_set(_silent_log, ctypes.c_void_p(0))
+            _backend_ready = True
+
+
+@C.llama_log_callback
+def _silent_log(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
+    """llama.cpp logs every load detail to stderr; keep only its errors, in our log."""
+    if level == _GGML_LOG_LEVEL_ERROR:
+        log.error("llama.cpp: %s", text.decode("utf-8", "replace").rstrip())
+
+
+class LlamaModelHandle:
+    """A loaded GGUF model (llama_model*) and its vocabulary."""
+
+    def __init__(self, *, path: Path) -> None:
+        _init_llama_backend()
+        params = C.llama_model_default_params()
+        params.n_gpu_layers = 0
+        ptr = C.llama_model_load_from_file(str(path).encode(), params)
+        if not ptr:
+            raise ValueError(f"llama.cpp could not load model file {str(path)!r} (not a valid GGUF?)")
+        self.ptr = ptr
+        self.vocab = C.llama_model_get_vocab(ptr)
+        self.n_vocab = C.llama_vocab_n_tokens(self.vocab)
+        self.n_ctx_train = C.llama_model_n_ctx_train(ptr)
+
+    def meta(self, key: str) -> str | None:
+        buf = ctypes.create_string_buffer(1 << 16)
+        n = C.llama_model_meta_val_str(self.ptr, key.encode(), buf, len(buf))
+        return None if n < 0 else buf.value.decode("utf-8", "replace")
+
+    def chat_template(self) -> str | None:
+        raw = C.llama_model_chat_template(self.ptr, None)
+        return raw.decode("utf-8", "replace") if raw else None
+
+    def close(self) -> None:
+        if self.ptr:
+            C.llama_model_free(self.ptr)
+            self.ptr = None
+
+
+class LlamaContextHandle:
+    """An inference context (llama_context*) with a unified KV cache of ``n_ctx`` cells.
+
+    Unified KV means all sequences share one pool of cells, so one sequence may
+    grow to the whole context and ``llama_memory_seq_cp`` shares cells instead
+    of copying them: prefix reuse costs no memory.
+    """
+
+    def __init__(self, *, model: LlamaModelHandle, n_ctx: int, n_batch: int, n_ubatch: int,
+                 n_seq_max: int, n_threads: int, flash_attn: bool, kv_unified: bool) -> None:
+        params = C.llama_context_default_params()
+        params.n_ctx = n_ctx
+        params.n_batch = n_batch
+        params.n_ubatch = min(n_ubatch, n_batch)
+        params.n_seq_max = n_seq_max
+        params.n_threads = n_threads
+        params.n_threads_batch = n_threads
+        params.kv_unified = kv_unified
+        params.no_perf = True
+        params.flash_attn_type = C.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn else C.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        ptr = C.llama_init_from_model(model.ptr, params)
+        if not ptr:
+            raise RuntimeError(f"llama.cpp could not create a context (n_ctx={n_ctx}, n_seq_max={n_seq_max}): out of memory?")
+        self.ptr = ptr
+        self.memory = C.llama_get_memory(ptr)
+        self.n_ctx = C.llama_n_ctx(ptr)
+        self.n_vocab = model.n_vocab
+
+    def decode(self, batch: LlamaBatchBuffer) -> int:
+        """llama_decode; returns its code (0 ok, 1 no KV slot, other = error)."""
+        return C.llama_decode(self.ptr, batch.struct)
+
+    def logits_row(self, batch_index: int) -> np.ndarray:
+        ptr = C.llama_get_logits_ith(self.ptr, batch_index)
+        if not ptr:
+            raise RuntimeError(f"llama.cpp returned no logits for batch row {batch_index}")
+        return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))
+
+    def seq_rm(self, seq_id: int, p0: int = -1, p1: int = -1) -> bool:
+        return bool(C.llama_memory_seq_rm(self.memory, seq_id, p0, p1))
+
+    def seq_cp(self, src: int, dst: int, p0: int, p1: int) -> None:
+        C.llama_memory_seq_cp(self.memory, src, dst, p0, p1)
+
+    def seq_pos_max(self, seq_id: int) -> int:
+        return C.llama_memory_seq_pos_max(self.memory, seq_id)
+
+    def save_seq(self, seq_id: int) -> bytes:
+        size = C.llama_state_seq_get_size(self.ptr, seq_id)
+        buf = (ctypes.c_uint8 * size)()
+        written = C.llama_state_seq_get_data(self.ptr, buf, size, seq_id)
+        if written != size:
+            raise RuntimeError(f"llama_state_seq_get_data wrote {written} of {size} bytes for seq {seq_id}")
+        return bytes(buf)
+
+    def load_seq(self, seq_id: int, state: bytes) -> bool:
+        buf = (ctypes.c_uint8 * len(state)).from_buffer_copy(state)
+        return C.llama_state_seq_set_data(self.ptr, buf, len(state), seq_id) > 0
+
+    def close(self) -> None:
+        if self.ptr:
+            C.llama_free(self.ptr)
+            self.ptr = None
+
+
+class LlamaBatchBuffer:
+    """A llama_batch whose arrays are numpy buffers we own (filled vectorised, freed by GC).
+
+    Built by hand rather than with llama_batch_init so that a step fills
+    token/pos/seq_id/logits with a few numpy slice assignments instead of a
+    Python loop per token; each token belongs to exactly one sequence.
+    """
+
+    def __init__(self, *, capacity: int) -> None:
+        self.capacity = capacity
+        self.tokens = np.zeros(capacity, dtype=np.int32)
+        self.pos = np.zeros(capacity, dtype=np.int32)
+        self.n_seq_id = np.ones(capacity, dtype=np.int32)
+        self.seq = np.zeros(capacity, dtype=np.int32)
+        self.logits = np.zeros(capacity, dtype=np.int8)
+        # seq_id is int32** : one pointer per token into self.seq.
+        base = self.seq.ctypes.data
+        self._seq_ptrs = (ctypes.POINTER(ctypes.c_int32) * capacity)(
+            *[ctypes.cast(base + 4 * i, ctypes.POINTER(ctypes.c_int32)) for i in range(capacity)]
+        )
+        self.struct = C.llama_batch()
+        self.struct.embd = ctypes.POINTER(ctypes.c_float)()
+        self.struct.token = self.tokens.ctypes.data_as(ctypes.POINTER(C.llama_token))
+        self.struct.pos = self.pos.ctypes.data_as(ctypes.POINTER(C.llama_pos))
+        self.struct.n_seq_id = self.n_seq_id.ctypes.data_as(ctypes.POINTER(ctypes.c_int32))
+        self.struct.seq_id = ctypes.cast(self._seq_ptrs, ctypes.POINTER(ctypes.POINTER(C.llama_seq_id)))
+        self.struct.logits = self.logits.ctypes.data_as(ctypes.POINTER(ctypes.c_int8))
+
+    def fill(self, tokens: np.ndarray, positions: np.ndarray, seqs: np.ndarray, output_rows: np.ndarray) -> None:
+        n = len(tokens)
+        if n > self.capacity:
+            raise ValueError(f"batch of {n} tokens exceeds n_batch={self.capacity}")
+        self.tokens[:n] = tokens
+        self.pos[:n] = positions
+        self.seq[:n] = seqs
+        self.logits[:n] = 0
+        self.logits[output_rows] = 1
+        self.struct.n_tokens = n

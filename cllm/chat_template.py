@@ -1,0 +1,63 @@
+"""Chat templates: the model's own Jinja template, rendered in a sandbox."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from jinja2 import TemplateError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from cllm.backends.base import Tokenizer
+
+ROLES = ("system", "user", "assistant", "tool", "developer")
+
+
+def _raise(message: str) -> None:
+    raise ValueError(f"chat template rejected the messages: {message}")
+
+
+def normalize_messages(messages: Sequence[Any]) -> list[dict[str, str]]:
+    """Check OpenAI-style messages; content given as text parts is joined. ValueError names the bad item."""
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise ValueError("messages must be a non-empty list of {role, content} objects")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise ValueError(f"messages[{i}] must be an object with 'role' and 'content'")
+        role, content = m.get("role"), m.get("content")
+        if role not in ROLES:
+            raise ValueError(f"messages[{i}].role={role!r}: must be one of {', '.join(ROLES)}")
+        if isinstance(content, list):
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+                raise ValueError(f"messages[{i}].content: only text parts ({{'type': 'text', 'text': ...}}) are supported")
+            content = "".join(p["text"] for p in content)
+        if content is None and role == "assistant":
+            content = ""
+        if not isinstance(content, str):
+            raise ValueError(f"messages[{i}].content must be a string")
+        out.append({"role": role, "content": content})
+    return out
+
+
+class ChatTemplate:
+    """Renders messages into a prompt string with the model's template."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        source = tokenizer.chat_template
+        if not source:
+            raise ValueError("the model has no chat template in its metadata; use completions with a plain prompt")
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = _raise
+        self._template = env.from_string(source)
+        eos = sorted(tokenizer.eos_token_ids)
+        bos = tokenizer.bos_token_id
+        self._bos = tokenizer.special_token(bos) if bos is not None else ""
+        self._eos = tokenizer.special_token(eos[0]) if eos else ""
+
+    def render(self, messages: Sequence[Any], *, add_generation_prompt: bool = True) -> str:
+        msgs = normalize_messages(messages)
+        try:
+            return self._template.render(messages=msgs, add_generation_prompt=add_generation_prompt,
+                                         bos_token=self._bos, eos_token=self._eos)
+        except TemplateError as err:
+            raise ValueError(f"chat template failed to render: {err}") from None

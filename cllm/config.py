@@ -1,0 +1,169 @@
+"""Configuration: one pydantic model per concern, merged from four layers.
+
+Precedence, lowest first: the defaults below (documented in config.yaml), a
+YAML file, ``CLLM_<NAME>`` environment variables, keyword arguments / CLI
+flags. Every setting has a name unique across sections, so overrides are flat
+(``n_ctx=4096``, ``CLLM_N_CTX=4096``, ``--n-ctx 4096``) while the YAML file
+is grouped by section.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
+
+
+class ModelConfig(_Section):
+    """Which model, on which backend, with how much KV room."""
+
+    model: str | None = Field(None, description="GGUF file or HF model directory; None = embedded SmolLM2-135M-Instruct Q4_1")
+    backend: str = Field("llama_cpp", description="registered backend name (see `cllm backends`)")
+    n_ctx: int = Field(16384, ge=64, le=1 << 22, description="KV cache size in tokens for all sequences together; llama_cpp gives each sequence n_ctx/n_seq_max of it (unless kv_unified); capped by the model's trained context")
+    n_seq_max: int = Field(8, ge=1, le=256, description="sequences that can hold KV at once (llama.cpp seq_id pool size)")
+    n_threads: int | None = Field(None, ge=1, le=1024, description="CPU threads; None = all cores")
+    n_batch: int = Field(512, ge=1, le=1 << 16, description="most tokens evaluated in one forward call")
+    seed: int = Field(0, description="default sampling seed for requests that give none")
+
+
+class LlamaCppConfig(_Section):
+    """llama.cpp-only knobs."""
+
+    n_ubatch: int = Field(512, ge=1, le=1 << 16, description="physical micro-batch size inside llama_decode")
+    flash_attn: bool = Field(False, description="use llama.cpp's flash attention kernels")
+    prefix_cache: bool = Field(True, description="keep finished sequences' KV in idle slots for prefix reuse")
+    kv_unified: bool = Field(False, description="false = n_ctx/n_seq_max KV cells per sequence, outputs independent of batch-mates; true = one pool shared by all sequences (one may use all of n_ctx) but greedy outputs then vary slightly with batch composition")
+
+
+class TorchConfig(_Section):
+    """torch-backend-only knobs."""
+
+    device: str = Field("auto", description="auto | cpu | cuda | cuda:N")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description="auto = bfloat16 on CUDA, float32 on CPU")
+    block_size: int = Field(16, ge=1, le=1024, description="tokens per paged KV block")
+    torch_compile: bool = Field(False, description="wrap the model forward in torch.compile")
+
+
+class SchedulerConfig(_Section):
+    """Continuous-batching policy."""
+
+    max_num_seqs: int | None = Field(None, ge=1, le=4096, description="running sequences cap; None = backend's n_seq_max")
+    max_num_batched_tokens: int | None = Field(None, ge=1, le=1 << 20, description="token budget per step; None = n_batch")
+    policy: Literal["fcfs", "priority"] = Field("fcfs", description="waiting-queue order: arrival, or priority (lower value first) then arrival")
+    preemption_mode: Literal["recompute", "swap"] = Field("recompute", description="how a preempted sequence resumes: re-evaluate its tokens, or restore saved KV (backends that support it)")
+    max_waiting: int = Field(1024, ge=0, le=1 << 20, description="waiting-queue bound; beyond it new requests are refused (HTTP 429)")
+    request_timeout_s: float | None = Field(None, gt=0, description="per-request deadline in seconds, from arrival; None = none")
+
+
+class ServerConfig(_Section):
+    """`cllm serve` settings."""
+
+    host: str = Field("127.0.0.1", description="bind address")
+    port: int = Field(8000, ge=0, le=65535, description="bind port")
+    api_key: str | None = Field(None, description="if set, /v1/* requires `Authorization: Bearer <key>`")
+    cors_origins: list[str] = Field(default_factory=list, description="allowed CORS origins; empty = CORS off")
+    served_model_name: str | None = Field(None, description="model id reported by /v1/models; None = file stem")
+    max_tokens_limit: int = Field(4096, ge=1, description="largest max_tokens a request may ask for")
+    max_n: int = Field(8, ge=1, le=128, description="largest n a request may ask for")
+    max_body_bytes: int = Field(1 << 20, ge=1024, description="largest request body")
+    log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log verbosity")
+    shutdown_grace_s: float = Field(10.0, ge=0, description="on SIGTERM, how long in-flight requests may finish before being aborted")
+
+
+class CllmConfig(_Section):
+    """All settings, grouped by section as in config.yaml."""
+
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    llama_cpp: LlamaCppConfig = Field(default_factory=LlamaCppConfig)
+    torch: TorchConfig = Field(default_factory=TorchConfig)
+    scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
+    server: ServerConfig = Field(default_factory=ServerConfig)
+
+    @model_validator(mode="after")
+    def _check_cross_section(self) -> CllmConfig:
+        budget = self.scheduler.max_num_batched_tokens
+        if budget is not None and budget > self.model.n_batch:
+            raise ValueError(
+                f"max_num_batched_tokens={budget} exceeds n_batch={self.model.n_batch}: "
+                "a step cannot carry more tokens than one forward call; raise n_batch or lower the budget"
+            )
+        return self
+
+    def with_overrides(self, **overrides: Any) -> CllmConfig:
+        """A copy with flat overrides applied (and validated)."""
+        return build_config(self.to_nested(), overrides)
+
+    def to_nested(self) -> dict[str, dict[str, Any]]:
+        return self.model_dump()
+
+
+SECTIONS: dict[str, type[_Section]] = {
+    name: field.annotation for name, field in CllmConfig.model_fields.items()  # type: ignore[misc]
+}
+FIELD_SECTION: dict[str, str] = {
+    key: section for section, cls in SECTIONS.items() for key in cls.model_fields
+}
+
+
+def _format_error(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"]) or "config"
+        value = e.get("input")
+        shown = "" if isinstance(value, dict) else f" (got {value!r})"
+        lines.append(f"{loc}: {e['msg']}{shown}")
+    return "invalid configuration: " + "; ".join(lines)
+
+
+def build_config(nested: dict[str, Any], flat: dict[str, Any]) -> CllmConfig:
+    """Validate a nested dict plus flat overrides into a CllmConfig (ValueError on bad input)."""
+    merged: dict[str, dict[str, Any]] = {s: dict(nested.get(s) or {}) for s in SECTIONS}
+    unknown_sections = set(nested) - set(SECTIONS)
+    if unknown_sections:
+        raise ValueError(f"unknown config section(s) {sorted(unknown_sections)}; valid: {sorted(SECTIONS)}")
+    for key, value in flat.items():
+        if key not in FIELD_SECTION:
+            raise ValueError(f"unknown setting {key!r}; valid settings: {', '.join(sorted(FIELD_SECTION))}")
+        merged[FIELD_SECTION[key]][key] = value
+    try:
+        return CllmConfig.model_validate(merged)
+    except ValidationError as err:
+        raise ValueError(_format_error(err)) from None
+
+
+def _env_overrides(environ: dict[str, str]) -> dict[str, Any]:
+    found: dict[str, Any] = {}
+    for key in FIELD_SECTION:
+        raw = environ.get(f"CLLM_{key.upper()}")
+        if raw is not None:
+            # YAML parsing turns "4096" into 4096, "true" into True, "null" into None.
+            found[key] = yaml.safe_load(raw) if raw != "" else None
+    return found
+
+
+def load_config(path: str | Path | None = None, *, environ: dict[str, str] | None = None, **overrides: Any) -> CllmConfig:
+    """Defaults <- YAML file <- CLLM_* environment <- keyword overrides.
+
+    ``path`` None means ``$CLLM_CONFIG`` if set, else no file (defaults). Keyword
+    overrides whose value is None are ignored so CLI flags left unset do not
+    clobber the file.
+    """
+    environ = dict(os.environ) if environ is None else environ
+    path = path or environ.get("CLLM_CONFIG")
+    nested: dict[str, Any] = {}
+    if path:
+        p = Path(path)
+        if not p.is_file():
+            raise ValueError(f"config file {str(p)!r} does not exist")
+        nested = yaml.safe_load(p.read_text()) or {}
+        if not isinstance(nested, dict):
+            raise ValueError(f"config file {str(p)!r} must hold a mapping of sections")
+    flat = _env_overrides(environ)
+    flat.update({k: v for k, v in overrides.items() if v is not None})
+    return build_config(nested, flat)

@@ -1,0 +1,239 @@
+"""AsyncLLM: the engine on a background thread, streaming to many concurrent asyncio callers.
+
+One loop thread owns the LLMEngine. Callers validate their input on their own
+side (so bad input raises before anything is queued), then hand the loop a
+command through a thread-safe inbox; outputs come back through each request's
+asyncio.Queue on the caller's event loop. A caller that stops iterating (break,
+cancel, client gone) aborts its request at the start of the next step.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from cllm.backends.base import Backend, Tokenizer
+from cllm.config import CllmConfig
+from cllm.engine.llm import make_config
+from cllm.engine.llm_engine import LLMEngine, Prompt
+from cllm.engine.stats import EngineStats, RunningRequestInfo
+from cllm.errors import EngineDeadError, QueueFullError
+from cllm.model_path import resolve_model_path
+from cllm.outputs import RequestOutput
+from cllm.sampling.params import SamplingParams
+
+log = logging.getLogger("cllm.engine")
+IDLE_WAIT_S = 0.05
+
+
+@dataclass(slots=True)
+class _Stream:
+    """Where one request's outputs go."""
+
+    loop: asyncio.AbstractEventLoop  # the caller's event loop
+    queue: asyncio.Queue  # RequestOutput items, or an exception to raise
+
+
+class AsyncLLM:
+    """``AsyncLLM(model=None, backend=None, config=None, **overrides)``; see LLM for the arguments."""
+
+    def __init__(self, model: str | None = None, backend: str | Backend | None = None,
+                 config: CllmConfig | str | Path | None = None, **overrides: Any) -> None:
+        instance = backend if isinstance(backend, Backend) else None
+        name = None if instance is not None else backend
+        self.config = make_config(config, {"model": model, "backend": name, **overrides})
+        self.engine = LLMEngine(self.config, instance)
+        self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._state_lock = threading.Lock()
+        self._streams: dict[str, _Stream] = {}
+        self._pending = 0
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._accepting = True
+        self._dead: BaseException | None = None
+
+    # ------------------------------------------------------------------ info
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def model_name(self) -> str:
+        path = getattr(self.engine.backend, "model_path", None) or resolve_model_path(self.config.model.model)
+        return Path(path).stem if Path(path).suffix == ".gguf" else Path(path).name
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self._dead is None
+
+    def apply_chat_template(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> str:
+        return self.engine.apply_chat_template(messages, add_generation_prompt)
+
+    def stats(self) -> EngineStats:
+        with self._state_lock:
+            return self.engine.stats()
+
+    def running_requests(self) -> list[RunningRequestInfo]:
+        with self._state_lock:
+            return self.engine.running_requests()
+
+    # ------------------------------------------------------------- the loop
+    def start(self) -> None:
+        """Start the engine loop thread (idempotent)."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="cllm-engine", daemon=True)
+            self._thread.start()
+
+    def _loop(self) -> None:
+        try:
+            while not self._stopping:
+                self._drain_inbox()
+                if not self.engine.has_unfinished():
+                    self._wake.wait(IDLE_WAIT_S)
+                    self._wake.clear()
+                    continue
+                with self._state_lock:
+                    outputs = self.engine.step()
+                for out in outputs:
+                    self._deliver(out.request_id, out)
+        except BaseException as err:  # a bug or a fatal backend error: fail every stream loudly
+            log.exception("engine loop died")
+            self._dead = err
+            for rid in list(self._streams):
+                self._deliver(rid, EngineDeadError(f"engine stopped: {type(err).__name__}: {err}"))
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                command = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            with self._state_lock:
+                command()
+
+    def _submit(self, command: Callable[[], None]) -> None:
+        self._inbox.put(command)
+        self._wake.set()
+
+    def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
+        stream = self._streams.get(request_id)
+        if stream is not None and not stream.loop.is_closed():
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+
+    # ------------------------------------------------------------- requests
+    async def generate(self, prompt: Prompt, params: SamplingParams | None = None, *, request_id: str | None = None,
+                       priority: int = 0, timeout_s: float | None = None) -> AsyncIterator[RequestOutput]:
+        """Stream one request's outputs; each carries the deltas since the previous one."""
+        params = params or SamplingParams()
+        rid = self._admit_checks(prompt, params, request_id)
+        ids = self.engine.tokenize_prompt(prompt)
+        self.engine.resolve_max_tokens(len(ids), params)
+        params.check_vocab(self.tokenizer.vocab_size)
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        self._streams[rid] = stream
+        self._pending += params.n
+        self.start()
+        self._submit(lambda: self._add(rid, prompt, params, priority, timeout_s, ids))
+        finished = False
+        try:
+            while not finished:
+                out = await self._next_output(stream)
+                finished = out.finished
+                yield out
+        finally:
+            if not finished:
+                self._submit(lambda: self._abort_now(rid))
+            self._streams.pop(rid, None)
+
+    def _admit_checks(self, prompt: Prompt, params: SamplingParams, request_id: str | None) -> str:
+        if self._dead is not None:
+            raise EngineDeadError(f"engine stopped: {self._dead}")
+        if not self._accepting:
+            raise EngineDeadError("server is shutting down")
+        rid = request_id or f"req-{uuid.uuid4().hex[:16]}"
+        if rid in self._streams:
+            raise ValueError(f"request_id {rid!r} is already in use")
+        limit = self.config.scheduler.max_waiting
+        if self.engine.scheduler.num_waiting + self._pending + params.n > limit:
+            raise QueueFullError(f"waiting queue is full ({limit} requests); retry later")
+        return rid
+
+    def _add(self, rid: str, prompt: Prompt, params: SamplingParams, priority: int, timeout_s: float | None,
+             ids: list[int]) -> None:
+        self._pending -= params.n
+        if rid not in self._streams:
+            return  # the caller gave up before the loop saw the request
+        try:
+            self.engine.add_request(prompt, params, request_id=rid, priority=priority, timeout_s=timeout_s, prompt_ids=ids)
+        except (ValueError, QueueFullError) as err:
+            self._deliver(rid, err)
+
+    def _abort_now(self, rid: str) -> None:
+        out = self.engine.abort_request(rid)
+        if out is not None:
+            self._deliver(rid, out)
+
+    @staticmethod
+    async def _next_output(stream: _Stream) -> RequestOutput:
+        """The next output, merged with any others already queued (deltas concatenated)."""
+        item = await stream.queue.get()
+        items = [item]
+        while not stream.queue.empty() and not isinstance(items[-1], BaseException):
+            items.append(stream.queue.get_nowait())
+        for it in items:
+            if isinstance(it, BaseException):
+                raise it
+        return _merge(items)
+
+    async def abort(self, request_id: str) -> None:
+        self._submit(lambda: self._abort_now(request_id))
+
+    async def shutdown(self, grace_s: float = 0.0) -> None:
+        """Stop admitting; let in-flight requests finish for up to ``grace_s``; abort the rest; free everything."""
+        self._accepting = False
+        deadline = time.monotonic() + grace_s
+        while self.engine.has_unfinished() and self.is_running and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        self._submit(self._abort_all)
+        await asyncio.to_thread(self._stop_thread)
+        self.engine.close()
+
+    def _abort_all(self) -> None:
+        for rid in self.engine.request_ids():
+            self._abort_now(rid)
+
+    def _stop_thread(self) -> None:
+        """Let the loop run the queued aborts, then end it."""
+        if self._thread is None:
+            return
+        deadline = time.monotonic() + 5
+        while (self.engine.has_unfinished() or not self._inbox.empty()) and self.is_running and time.monotonic() < deadline:
+            time.sleep(0.01)
+        self._stopping = True
+        self._wake.set()
+        self._thread.join(timeout=10)
+
+
+def _merge(items: list[RequestOutput]) -> RequestOutput:
+    last = items[-1]
+    if len(items) == 1:
+        return last
+    for i, choice in enumerate(last.outputs):
+        earlier = [it.outputs[i] for it in items[:-1]]
+        choice.text_delta = "".join(c.text_delta for c in earlier) + choice.text_delta
+        choice.token_ids_delta = [t for c in earlier for t in c.token_ids_delta] + choice.token_ids_delta
+        if choice.logprobs_delta is not None:
+            choice.logprobs_delta = [lp for c in earlier for lp in (c.logprobs_delta or [])] + choice.logprobs_delta
+    return last

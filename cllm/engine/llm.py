@@ -1,0 +1,119 @@
+"""LLM: the synchronous Python API (batch in, outputs out)."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from cllm.backends.base import Backend
+from cllm.config import CllmConfig, load_config
+from cllm.engine.llm_engine import LLMEngine, Prompt
+from cllm.engine.stats import EngineStats
+from cllm.outputs import RequestOutput
+from cllm.sampling.params import SamplingParams
+
+
+def make_config(config: CllmConfig | str | Path | None, overrides: dict[str, Any]) -> CllmConfig:
+    """A CllmConfig from an object or a YAML path, plus flat keyword overrides (None values ignored)."""
+    overrides = {k: v for k, v in overrides.items() if v is not None}
+    if isinstance(config, CllmConfig):
+        return config.with_overrides(**overrides)
+    return load_config(config, **overrides)
+
+
+class LLM:
+    """Offline generation: every prompt of a call is continuously batched together.
+
+    ``LLM(model=None, backend="llama_cpp", config=None, **overrides)``: overrides
+    use the flat setting names of config.yaml (n_ctx, n_seq_max, n_threads,
+    n_batch, max_num_seqs, max_num_batched_tokens, ...). ``backend`` may also be
+    a Backend instance.
+    """
+
+    def __init__(self, model: str | None = None, backend: str | Backend | None = None,
+                 config: CllmConfig | str | Path | None = None, **overrides: Any) -> None:
+        instance = backend if isinstance(backend, Backend) else None
+        name = None if instance is not None else backend
+        self.config = make_config(config, {"model": model, "backend": name, **overrides})
+        self.engine = LLMEngine(self.config, instance)
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def backend_name(self) -> str:
+        return self.engine.backend.name
+
+    def generate(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 *, priority: int | Sequence[int] = 0, use_tqdm: bool = False) -> list[RequestOutput]:
+        """Generate for each prompt (text or token ids); outputs in prompt order."""
+        prompt_list = _as_prompt_list(prompts)
+        params_list = _broadcast(params or SamplingParams(), len(prompt_list), "params")
+        priorities = _broadcast(priority, len(prompt_list), "priority")
+        ids = [self.engine.add_request(p, sp, priority=pr) for p, sp, pr in zip(prompt_list, params_list, priorities)]
+        return self._run(ids, use_tqdm)
+
+    def chat(self, messages: Sequence[dict] | Sequence[Sequence[dict]], params: SamplingParams | None = None,
+             *, use_tqdm: bool = False) -> list[RequestOutput]:
+        """Chat completion(s) with the model's chat template; one conversation or a list of them."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [self.engine.apply_chat_template(c) for c in conversations]
+        return self.generate(prompts, params, use_tqdm=use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        final: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), disable=not use_tqdm, desc="generate")
+        try:
+            while self.engine.has_unfinished():
+                for out in self.engine.step():
+                    if out.finished:
+                        final[out.request_id] = out
+                        bar.update(1)
+        except BaseException:
+            for rid in ids:
+                self.engine.abort_request(rid)
+            raise
+        finally:
+            bar.close()
+        return [final[i] for i in ids]
+
+    def stats(self) -> EngineStats:
+        return self.engine.stats()
+
+    def switch_backend(self, backend: str, **overrides: Any) -> None:
+        """Move this LLM to another backend (e.g. "torch"), keeping its config and sampling behaviour.
+
+        The old backend is closed first, so its memory is free for the new one.
+        """
+        config = self.config.with_overrides(backend=backend, **overrides)
+        self.engine.close()
+        self.config = config
+        self.engine = LLMEngine(config)
+
+    def close(self) -> None:
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    if isinstance(prompts, Sequence) and prompts and all(isinstance(t, int) for t in prompts):
+        return [list(prompts)]
+    return list(prompts)
+
+
+def _broadcast(value: Any, n: int, name: str) -> list[Any]:
+    if isinstance(value, (list, tuple)):
+        if len(value) != n:
+            raise ValueError(f"{name} has {len(value)} entries for {n} prompts")
+        return list(value)
+    return [value] * n

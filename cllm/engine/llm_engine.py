@@ -1,0 +1,236 @@
+"""LLMEngine: the synchronous step loop. schedule() -> forward + sample -> update_from_output().
+
+Single-threaded by design: LLM calls it directly, AsyncLLM from its one loop
+thread. Nothing else mutates request state.
+"""
+from __future__ import annotations
+
+import collections
+import itertools
+import time
+import uuid
+from collections.abc import Sequence
+
+import numpy as np
+
+from cllm.backends.base import Backend, BackendError, KVCacheFullError
+from cllm.backends.registry import create_backend
+from cllm.chat_template import ChatTemplate
+from cllm.config import CllmConfig
+from cllm.engine.request_group import RequestGroup
+from cllm.engine.stats import EngineStats, RateMeter, RunningRequestInfo
+from cllm.errors import ContextLengthError, QueueFullError
+from cllm.outputs import RequestOutput
+from cllm.request import Request, RequestStatus
+from cllm.sampling.params import SamplingParams
+from cllm.sampling.sampler import SamplingRow, sample
+from cllm.scheduler.output import SchedulerOutput
+from cllm.scheduler.scheduler import Scheduler
+
+Prompt = str | Sequence[int]
+
+
+class LLMEngine:
+    """Owns one backend and one scheduler; ``step()`` runs one batch."""
+
+    def __init__(self, config: CllmConfig, backend: Backend | None = None) -> None:
+        self.config = config
+        self.backend = backend if backend is not None else create_backend(config)
+        self.tokenizer = self.backend.tokenizer
+        self.scheduler = Scheduler(self.backend, config.scheduler)
+        self.max_model_len = self.backend.capacity.max_model_len
+        self._groups: dict[str, RequestGroup] = {}
+        self._group_of: dict[str, tuple[RequestGroup, int]] = {}
+        self._rngs: dict[str, np.random.Generator] = {}
+        self._seed_source = np.random.default_rng(config.model.seed)
+        self._chat: ChatTemplate | None = None
+        self._finished_counts: collections.Counter[str] = collections.Counter()
+        self._rate = RateMeter()
+        self._prompt_tokens = 0
+        self._generated_tokens = 0
+        self._ids = itertools.count()
+
+    # ------------------------------------------------------------- requests
+    def apply_chat_template(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> str:
+        if self._chat is None:
+            self._chat = ChatTemplate(self.tokenizer)
+        return self._chat.render(messages, add_generation_prompt=add_generation_prompt)
+
+    def tokenize_prompt(self, prompt: Prompt) -> list[int]:
+        """Validated prompt token ids (ValueError on an empty or out-of-vocabulary prompt)."""
+        if isinstance(prompt, str):
+            bos = self.tokenizer.bos_token_id
+            starts_with_bos = bos is not None and prompt.startswith(self.tokenizer.special_token(bos))
+            ids = self.tokenizer.encode(prompt, add_special=not starts_with_bos)
+        elif isinstance(prompt, Sequence) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            ids = list(prompt)
+            bad = [t for t in ids if not 0 <= t < self.tokenizer.vocab_size]
+            if bad:
+                raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary (size {self.tokenizer.vocab_size})")
+        else:
+            raise TypeError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+        if not ids:
+            raise ValueError("prompt is empty: give at least one token")
+        return ids
+
+    def resolve_max_tokens(self, num_prompt: int, params: SamplingParams) -> int:
+        room = self.max_model_len - num_prompt
+        if room < 1:
+            raise ContextLengthError(
+                f"prompt has {num_prompt} tokens but the context holds {self.max_model_len}: "
+                "shorten the prompt or raise n_ctx")
+        if params.max_tokens is None:
+            return room
+        if params.max_tokens > room:
+            raise ContextLengthError(
+                f"prompt ({num_prompt} tokens) + max_tokens ({params.max_tokens}) exceeds the context length "
+                f"{self.max_model_len}: lower max_tokens to at most {room} or raise n_ctx")
+        return params.max_tokens
+
+    def add_request(self, prompt: Prompt, params: SamplingParams | None = None, *, request_id: str | None = None,
+                    priority: int = 0, timeout_s: float | None = None, prompt_ids: list[int] | None = None) -> str:
+        """Queue a request (n choices); returns its id. Raises ValueError / QueueFullError."""
+        params = params or SamplingParams()
+        params.check_vocab(self.tokenizer.vocab_size)
+        ids = prompt_ids if prompt_ids is not None else self.tokenize_prompt(prompt)
+        max_tokens = self.resolve_max_tokens(len(ids), params)
+        max_waiting = self.config.scheduler.max_waiting
+        if self.scheduler.num_waiting + params.n > max_waiting:
+            raise QueueFullError(f"waiting queue is full ({max_waiting} requests); retry later")
+        group_id = request_id or f"req-{uuid.uuid4().hex[:16]}"
+        if group_id in self._groups:
+            raise ValueError(f"request_id {group_id!r} is already in use")
+        timeout = timeout_s if timeout_s is not None else self.config.scheduler.request_timeout_s
+        children = [self._child(group_id, i, ids, params, max_tokens, priority, timeout) for i in range(params.n)]
+        group = RequestGroup(group_id, prompt if isinstance(prompt, str) else None, children, self.tokenizer)
+        self._groups[group_id] = group
+        for i, child in enumerate(children):
+            self._group_of[child.request_id] = (group, i)
+            self.scheduler.add(child)
+        return group_id
+
+    def _child(self, group_id: str, index: int, ids: list[int], params: SamplingParams, max_tokens: int,
+               priority: int, timeout: float | None) -> Request:
+        now = time.monotonic()
+        rid = group_id if params.n == 1 else f"{group_id}#{index}"
+        seed = params.seed + index if params.seed is not None else int(self._seed_source.integers(1 << 62))
+        self._rngs[rid] = np.random.default_rng(seed)
+        return Request(rid, list(ids), params, max_tokens, priority=priority, arrival_time=now,
+                       deadline=now + timeout if timeout else None, eos_token_ids=self.tokenizer.eos_token_ids)
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Abort a request (all its choices); returns its final output, or None if unknown."""
+        group = self._groups.get(request_id)
+        if group is None:
+            return None
+        for child in group.children:
+            self.scheduler.abort(child.request_id)
+        return self._collect([group])[0]
+
+    def has_unfinished(self) -> bool:
+        return bool(self._groups)
+
+    def request_ids(self) -> list[str]:
+        return list(self._groups)
+
+    # ----------------------------------------------------------------- step
+    def step(self) -> list[RequestOutput]:
+        """Run one batch; returns an output for every request that changed."""
+        out = self.scheduler.schedule()
+        touched: dict[str, RequestGroup] = {}
+        for req in out.finished + out.preempted:
+            self._touch(touched, req)
+        if not out.is_empty:
+            self._run(out, touched)
+        return self._collect(list(touched.values()))
+
+    def _run(self, out: SchedulerOutput, touched: dict[str, RequestGroup]) -> None:
+        flat, pos, seqs = [], [], []
+        for c in out.chunks:
+            flat += c.request.tokens_between(c.start, c.start + c.num_tokens)
+            pos += range(c.start, c.start + c.num_tokens)
+            seqs += [c.request.request_id] * c.num_tokens
+        sampled_reqs = [c.request for c in out.chunks if c.sample]
+        try:
+            logits = self.backend.forward_batch(flat, pos, seqs, logits_for=[r.request_id for r in sampled_reqs])
+        except KVCacheFullError as err:
+            victim = self.scheduler.preempt_for_kv(err.sequence_ids)
+            if victim is None:
+                self._fail(err.sequence_ids, str(err), touched)
+            return
+        except BackendError as err:
+            self._fail(err.sequence_ids, str(err), touched)
+            return
+        self._prompt_tokens += sum(max(0, min(c.start + c.num_tokens, c.request.num_prompt_tokens) - c.start)
+                                   for c in out.chunks)
+        self._sample_and_update(out, sampled_reqs, logits, touched)
+
+    def _sample_and_update(self, out: SchedulerOutput, reqs: list[Request], logits: np.ndarray,
+                           touched: dict[str, RequestGroup]) -> None:
+        rows = [SamplingRow(r.params, self._rngs[r.request_id], r.prompt_token_ids, r.output_token_ids,
+                            r.eos_token_ids | frozenset(r.params.stop_token_ids)) for r in reqs]
+        sampled = sample(logits, rows) if reqs else []
+        by_id = {r.request_id: s for r, s in zip(reqs, sampled)}
+        now = time.monotonic()
+        for req in self.scheduler.update_from_output(out, {k: s.token_id for k, s in by_id.items()}):
+            group, index = self._group_of[req.request_id]
+            if req.metrics.first_token_time is None:
+                req.metrics.first_token_time = now
+            req.metrics.last_token_time = now
+            stop = group.on_token(index, by_id[req.request_id])
+            if stop is not None and not req.status.is_finished:
+                req.stop_reason = stop
+                self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
+            touched[group.group_id] = group
+        self._generated_tokens += len(by_id)
+        self._rate.add(len(by_id), now)
+
+    def _fail(self, sequence_ids: list[str], error: str, touched: dict[str, RequestGroup]) -> None:
+        for req in self.scheduler.fail(sequence_ids, error):
+            self._touch(touched, req)
+
+    def _touch(self, touched: dict[str, RequestGroup], req: Request) -> None:
+        entry = self._group_of.get(req.request_id)
+        if entry is not None:
+            touched[entry[0].group_id] = entry[0]
+
+    def _collect(self, groups: list[RequestGroup]) -> list[RequestOutput]:
+        outputs = []
+        for group in groups:
+            outputs.append(group.make_output())
+            if group.finished:
+                self._forget(group)
+        return outputs
+
+    def _forget(self, group: RequestGroup) -> None:
+        self._groups.pop(group.group_id, None)
+        for child in group.children:
+            self._group_of.pop(child.request_id, None)
+            self._rngs.pop(child.request_id, None)
+            self._finished_counts[child.status.finish_reason or "unknown"] += 1
+
+    # ---------------------------------------------------------------- stats
+    def stats(self) -> EngineStats:
+        sched, backend = self.scheduler, self.backend
+        queried, hits = backend.prefix_cache_stats()
+        total_slots = backend.capacity.max_num_seqs
+        return EngineStats(
+            num_running=len(sched.running), num_waiting=sched.num_waiting, num_preempted=sched.num_preempted,
+            slots_in_use=total_slots - backend.num_free_slots(), slots_total=total_slots,
+            kv_usage=backend.kv_usage(), prefix_cache_queried_tokens=queried, prefix_cache_hit_tokens=hits,
+            prompt_tokens_total=self._prompt_tokens, generation_tokens_total=self._generated_tokens,
+            num_preemptions=sched.num_preemptions, tokens_per_s=self._rate.rate(),
+            requests_finished=dict(self._finished_counts),
+        )
+
+    def running_requests(self) -> list[RunningRequestInfo]:
+        now = time.monotonic()
+        slot_of = getattr(self.backend, "slot_of", lambda _id: None)
+        return [
+            RunningRequestInfo(r.request_id, slot_of(r.request_id), r.status.name, r.num_prompt_tokens,
+                               r.num_output_tokens, r.num_computed_tokens, now - r.arrival_time)
+            for r in list(self.scheduler.requests.values())
+        ]
+
+    def close(self) -> None:
+        self.backend.close()

@@ -1,0 +1,75 @@
+"""A user request and its n choices: text state per choice, and the outputs built from it."""
+from __future__ import annotations
+
+from cllm.backends.base import Tokenizer
+from cllm.detokenizer import IncrementalDetokenizer
+from cllm.outputs import CompletionOutput, RequestOutput, TokenLogprob, TopLogprob, Usage
+from cllm.request import Request
+from cllm.sampling.sampler import SampledToken
+
+
+class RequestGroup:
+    """One user request: ``n`` child sequences sharing a prompt.
+
+    Turns sampled tokens into text (stop strings cut), and builds the
+    RequestOutput handed to callers, with per-choice deltas since the last one.
+    """
+
+    def __init__(self, group_id: str, prompt: str | None, children: list[Request], tokenizer: Tokenizer) -> None:
+        self.group_id = group_id
+        self.prompt = prompt
+        self.children = children
+        self._tokenizer = tokenizer
+        self._detoks = [
+            IncrementalDetokenizer(tokenizer, stop=c.params.stop, include_stop=c.params.include_stop_str_in_output)
+            for c in children
+        ]
+        self._sent_tokens = [0] * len(children)
+        self._sent_logprobs = [0] * len(children)
+
+    @property
+    def finished(self) -> bool:
+        return all(c.status.is_finished for c in self.children)
+
+    def on_token(self, index: int, sampled: SampledToken) -> str | None:
+        """Record a child's new token; returns a stop string it completed, if any."""
+        child = self.children[index]
+        if child.params.logprobs is not None:
+            child.output_logprobs.append(self._logprob(sampled))
+        return self._detoks[index].add_token(sampled.token_id)
+
+    def _logprob(self, s: SampledToken) -> TokenLogprob:
+        tok = self._tokenizer
+        top = [TopLogprob(t, tok.decode([t]), lp, list(tok.token_bytes(t))) for t, lp in zip(s.top_ids, s.top_logprobs)]
+        return TokenLogprob(s.token_id, tok.decode([s.token_id]), s.logprob or 0.0, list(tok.token_bytes(s.token_id)), top)
+
+    def make_output(self) -> RequestOutput:
+        """The group's state now, with deltas since the previous call."""
+        first = self.children[0]
+        choices = [self._choice(i) for i in range(len(self.children))]
+        usage = Usage(
+            prompt_tokens=first.num_prompt_tokens,
+            completion_tokens=sum(c.num_output_tokens for c in self.children),
+            cached_tokens=first.num_cached_tokens or 0,
+        )
+        errors = [c.error for c in self.children if c.error]
+        return RequestOutput(self.group_id, self.prompt, list(first.prompt_token_ids), choices,
+                             self.finished, usage, first.metrics, errors[0] if errors else None)
+
+    def _choice(self, i: int) -> CompletionOutput:
+        child, detok = self.children[i], self._detoks[i]
+        if child.status.is_finished:
+            detok.finish()
+        tokens = child.output_token_ids
+        new_tokens = tokens[self._sent_tokens[i]:]
+        self._sent_tokens[i] = len(tokens)
+        logprobs = child.output_logprobs if child.params.logprobs is not None else None
+        new_logprobs = None
+        if logprobs is not None:
+            new_logprobs = logprobs[self._sent_logprobs[i]:]
+            self._sent_logprobs[i] = len(logprobs)
+        return CompletionOutput(
+            index=i, text=detok.text, token_ids=list(tokens), finish_reason=child.status.finish_reason,
+            stop_reason=child.stop_reason, logprobs=list(logprobs) if logprobs is not None else None,
+            text_delta=detok.take_delta(), token_ids_delta=list(new_tokens), logprobs_delta=new_logprobs,
+        )

