@@ -24,7 +24,7 @@ from cllm.outputs import RequestOutput
 from cllm.request import Request, RequestStatus
 from cllm.sampling.params import SamplingParams
 from cllm.sampling.sampler import SamplingRow, sample
-from cllm.scheduler.output import SchedulerOutput
+from cllm.scheduler.output import ScheduledChunk, SchedulerOutput
 from cllm.scheduler.scheduler import Scheduler
 
 Prompt = str | Sequence[int]
@@ -145,25 +145,49 @@ class LLMEngine:
         return self._collect(list(touched.values()))
 
     def _run(self, out: SchedulerOutput, touched: dict[str, RequestGroup]) -> None:
-        flat, pos, seqs = [], [], []
-        for c in out.chunks:
-            flat += c.request.tokens_between(c.start, c.start + c.num_tokens)
-            pos += range(c.start, c.start + c.num_tokens)
-            seqs += [c.request.request_id] * c.num_tokens
         sampled_reqs = [c.request for c in out.chunks if c.sample]
         try:
-            logits = self.backend.forward_batch(flat, pos, seqs, logits_for=[r.request_id for r in sampled_reqs])
+            logits = self._forward(out.chunks)
         except KVCacheFullError as err:
-            victim = self.scheduler.preempt_for_kv(err.sequence_ids)
-            if victim is None:
+            if self.scheduler.preempt_for_kv(err.sequence_ids) is None:
                 self._fail(err.sequence_ids, str(err), touched)
             return
         except BackendError as err:
-            self._fail(err.sequence_ids, str(err), touched)
-            return
+            if len(out.chunks) == 1:
+                self._fail(err.sequence_ids, str(err), touched)
+                return
+            # Which sequence broke the batch is unknown: rerun each alone so only the culprit fails.
+            logits, sampled_reqs = self._forward_one_by_one(out.chunks, touched)
         self._prompt_tokens += sum(max(0, min(c.start + c.num_tokens, c.request.num_prompt_tokens) - c.start)
-                                   for c in out.chunks)
+                                   for c in out.chunks if not c.request.status.is_finished)
         self._sample_and_update(out, sampled_reqs, logits, touched)
+
+    def _forward(self, chunks: list[ScheduledChunk]) -> np.ndarray:
+        flat: list[int] = []
+        pos: list[int] = []
+        seqs: list[str] = []
+        for c in chunks:
+            flat += c.request.tokens_between(c.start, c.start + c.num_tokens)
+            pos += range(c.start, c.start + c.num_tokens)
+            seqs += [c.request.request_id] * c.num_tokens
+        wanted = [c.request.request_id for c in chunks if c.sample]
+        return self.backend.forward_batch(flat, pos, seqs, logits_for=wanted)
+
+    def _forward_one_by_one(self, chunks: list[ScheduledChunk],
+                            touched: dict[str, RequestGroup]) -> tuple[np.ndarray, list[Request]]:
+        rows: list[np.ndarray] = []
+        reqs: list[Request] = []
+        for c in chunks:
+            try:
+                logits = self._forward([c])
+            except BackendError as err:
+                self._fail([c.request.request_id], str(err), touched)
+                continue
+            if c.sample:
+                rows.append(logits[0])
+                reqs.append(c.request)
+        vocab = self.tokenizer.vocab_size
+        return (np.stack(rows) if rows else np.empty((0, vocab), dtype=np.float32)), reqs
 
     def _sample_and_update(self, out: SchedulerOutput, reqs: list[Request], logits: np.ndarray,
                            touched: dict[str, RequestGroup]) -> None:

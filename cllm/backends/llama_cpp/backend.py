@@ -33,6 +33,8 @@ from cllm.model_path import resolve_model_path
 
 DECODE_OK = 0
 DECODE_NO_KV_SLOT = 1
+# A split-KV copy moves a whole stream (n_ctx/n_seq_max cells): only worth it for a real prefix.
+MIN_STREAM_COPY_TOKENS = 32
 
 
 class LlamaCppBackend(Backend):
@@ -129,11 +131,20 @@ class LlamaCppBackend(Backend):
                 del slot.tokens[keep:]
 
     def _copy_prefix(self, src: Slot, dst: Slot, length: int) -> int:
-        """Share ``length`` leading KV cells of a live sequence with ``dst`` (llama_memory_seq_cp)."""
-        if length <= 0:
-            return 0
-        self._ctx.seq_cp(src.seq_id, dst.seq_id, 0, length)
-        if not self._unified:  # across KV streams the copy may take the whole source stream
+        """Give ``dst`` the first ``length`` KV cells of a live sequence (llama_memory_seq_cp).
+
+        In a unified cache the cells are shared; across split KV streams llama.cpp
+        can only copy a whole stream, so the copy's tail is cut off afterwards,
+        and short prefixes are not worth that copy.
+        """
+        if self._unified:
+            if length <= 0:
+                return 0
+            self._ctx.seq_cp(src.seq_id, dst.seq_id, 0, length)
+        else:
+            if length < MIN_STREAM_COPY_TOKENS:
+                return 0
+            self._ctx.seq_cp(src.seq_id, dst.seq_id, -1, -1)
             self._ctx.seq_rm(dst.seq_id, length, -1)
         dst.tokens = src.tokens[:length]
         return length
@@ -195,6 +206,7 @@ class LlamaCppBackend(Backend):
         if rc == DECODE_NO_KV_SLOT:
             raise KVCacheFullError("llama_decode found no KV slot for the batch", list(slots))
         if rc != DECODE_OK:
+            self._roll_back(slots)
             raise BackendError(f"llama_decode failed with code {rc}", list(slots))
         for tok, sid in zip(flat_ids, sequence_ids):
             slots[sid].tokens.append(int(tok))
@@ -202,6 +214,11 @@ class LlamaCppBackend(Backend):
         for i, row in enumerate(rows):
             out[i] = self._ctx.logits_row(int(row))
         return out
+
+    def _roll_back(self, slots: dict[str, Slot]) -> None:
+        """After a failed decode, drop KV cells it may have left beyond what each slot is known to hold."""
+        for slot in slots.values():
+            self._ctx.seq_rm(slot.seq_id, len(slot.tokens), -1)
 
     def _map_sequences(self, sequence_ids: Sequence[str]) -> tuple[dict[str, Slot], dict[str, int]]:
         slots: dict[str, Slot] = {}

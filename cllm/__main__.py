@@ -1,0 +1,3 @@
+from cllm.cli import main
+
+main()

@@ -1,0 +1,148 @@
+"""The `cllm` command: generate, backends, serve, bench."""
+from __future__ import annotations
+
+import asyncio
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+import typer
+import yaml
+
+from cllm.config import FIELD_SECTION, CllmConfig, load_config
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="cllm: continuous-batching LLM serving over llama.cpp and PyTorch.")
+
+BackendOpt = typer.Option(None, "--backend", "-b", help="backend name (see `cllm backends`)")
+ModelOpt = typer.Option(None, "--model", "-m", help="GGUF file or HF model directory (default: embedded SmolLM2-135M)")
+ConfigOpt = typer.Option(None, "--config", "-c", help="config.yaml path (default: $CLLM_CONFIG, else built-in defaults)")
+SetOpt = typer.Option(None, "--set", help="any setting as KEY=VALUE (repeatable), e.g. --set n_ubatch=256")
+
+
+def _parse_sets(items: list[str] | None) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        if not sep or key not in FIELD_SECTION:
+            raise typer.BadParameter(f"--set {item!r}: expected KEY=VALUE with KEY one of {', '.join(sorted(FIELD_SECTION))}")
+        out[key] = yaml.safe_load(value)
+    return out
+
+
+def _config(config: Path | None, sets: list[str] | None, **flags: Any) -> CllmConfig:
+    try:
+        return load_config(config, **_parse_sets(sets), **flags)
+    except ValueError as err:
+        typer.echo(f"error: {err}", err=True)
+        raise typer.Exit(2) from None
+
+
+@app.command()
+def generate(
+    prompt: str = typer.Argument(..., help="prompt text"),
+    backend: Optional[str] = BackendOpt,
+    model: Optional[str] = ModelOpt,
+    config: Optional[Path] = ConfigOpt,
+    max_tokens: int = typer.Option(128, "--max-tokens", help="output tokens at most"),
+    temperature: float = typer.Option(0.7, "--temperature", help="0 = greedy"),
+    top_p: float = typer.Option(1.0, "--top-p"),
+    top_k: int = typer.Option(0, "--top-k"),
+    seed: Optional[int] = typer.Option(None, "--seed"),
+    chat: bool = typer.Option(False, "--chat", help="wrap the prompt as a user message with the model's chat template"),
+    n_threads: Optional[int] = typer.Option(None, "--n-threads"),
+    n_ctx: Optional[int] = typer.Option(None, "--n-ctx"),
+    sets: Optional[list[str]] = SetOpt,
+) -> None:
+    """Stream one completion to the terminal."""
+    from cllm.engine.async_llm import AsyncLLM
+    from cllm.sampling.params import SamplingParams
+
+    cfg = _config(config, sets, backend=backend, model=model, n_threads=n_threads, n_ctx=n_ctx)
+    try:
+        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+        engine = AsyncLLM(config=cfg)
+    except (ValueError, FileNotFoundError, KeyError) as err:
+        typer.echo(f"error: {err}", err=True)
+        raise typer.Exit(2) from None
+    text = engine.apply_chat_template([{"role": "user", "content": prompt}]) if chat else prompt
+    asyncio.run(_stream(engine, text, params))
+
+
+async def _stream(engine: Any, prompt: str, params: Any) -> None:
+    out = None
+    try:
+        async for out in engine.generate(prompt, params):
+            sys.stdout.write(out.outputs[0].text_delta)
+            sys.stdout.flush()
+    finally:
+        await engine.shutdown(0)
+    if out is not None:
+        u, m = out.usage, out.metrics
+        ttft = (m.ttft or 0) * 1000
+        secs = max((m.e2e or 0) - (m.ttft or 0), 1e-9)
+        rate = (u.completion_tokens - 1) / secs if u.completion_tokens > 1 else 0.0
+        typer.echo(f"\n[{out.outputs[0].finish_reason}] prompt={u.prompt_tokens} completion={u.completion_tokens} "
+                   f"ttft={ttft:.0f}ms decode={rate:.1f} tok/s", err=True)
+
+
+@app.command()
+def backends() -> None:
+    """List registered backends and whether each can load here."""
+    from cllm.backends.registry import describe_backends
+
+    for info in describe_backends():
+        mark = "yes" if info.loadable else "no "
+        typer.echo(f"{info.name:12s} loadable={mark}  {info.target}" + ("" if info.loadable else f"  ({info.detail})"))
+
+
+@app.command()
+def serve(
+    backend: Optional[str] = BackendOpt,
+    model: Optional[str] = ModelOpt,
+    config: Optional[Path] = ConfigOpt,
+    host: Optional[str] = typer.Option(None, "--host", help="bind address (default 127.0.0.1)"),
+    port: Optional[int] = typer.Option(None, "--port", help="bind port (default 8000)"),
+    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="CLLM_API_KEY", help="require this Bearer token on /v1/*"),
+    log_level: Optional[str] = typer.Option(None, "--log-level", help="debug | info | warning | error"),
+    n_ctx: Optional[int] = typer.Option(None, "--n-ctx"),
+    n_seq_max: Optional[int] = typer.Option(None, "--n-seq-max"),
+    n_threads: Optional[int] = typer.Option(None, "--n-threads"),
+    n_batch: Optional[int] = typer.Option(None, "--n-batch"),
+    max_num_seqs: Optional[int] = typer.Option(None, "--max-num-seqs"),
+    max_waiting: Optional[int] = typer.Option(None, "--max-waiting"),
+    request_timeout_s: Optional[float] = typer.Option(None, "--request-timeout-s"),
+    served_model_name: Optional[str] = typer.Option(None, "--served-model-name"),
+    sets: Optional[list[str]] = SetOpt,
+) -> None:
+    """Run the OpenAI-compatible HTTP server."""
+    from cllm.server.app import run_server
+
+    cfg = _config(config, sets, backend=backend, model=model, host=host, port=port, api_key=api_key,
+                  log_level=log_level, n_ctx=n_ctx, n_seq_max=n_seq_max, n_threads=n_threads, n_batch=n_batch,
+                  max_num_seqs=max_num_seqs, max_waiting=max_waiting, request_timeout_s=request_timeout_s,
+                  served_model_name=served_model_name)
+    run_server(cfg)
+
+
+def _mount_bench() -> None:
+    try:
+        from cllm.bench.cli import app as bench_app
+    except ImportError as err:  # bench extras (httpx, matplotlib) not installed
+        @app.command(name="bench")
+        def bench_missing() -> None:
+            """Benchmarks (needs `pip install cllm[bench]`)."""
+            typer.echo(f"error: cllm bench needs the bench extras: {err}", err=True)
+            raise typer.Exit(2)
+        return
+    app.add_typer(bench_app, name="bench", help="Benchmarks: offline, serve, compare.")
+
+
+_mount_bench()
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,88 @@
+"""Sampler statistics, seeds and parameter validation."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from cllm.sampling.params import SamplingParams
+from cllm.sampling.sampler import SamplingRow, sample
+
+
+def row(params: SamplingParams, seed: int = 0, output=(), prompt=()) -> SamplingRow:
+    return SamplingRow(params, np.random.default_rng(seed), list(prompt), list(output), frozenset({9}))
+
+
+def draw_many(logits: np.ndarray, params: SamplingParams, n: int = 4000) -> np.ndarray:
+    rng = np.random.default_rng(1)
+    rows = [SamplingRow(params, rng, [], [], frozenset()) for _ in range(n)]
+    return np.array([s.token_id for s in sample(np.repeat(logits[None], n, axis=0), rows)])
+
+
+def test_greedy_picks_argmax():
+    logits = np.array([[0.1, 3.0, 0.2], [5.0, 0.0, 1.0]], dtype=np.float32)
+    out = sample(logits, [row(SamplingParams(temperature=0)), row(SamplingParams(temperature=0))])
+    assert [s.token_id for s in out] == [1, 0]
+
+
+def test_temperature_sampling_matches_softmax_frequencies():
+    logits = np.log(np.array([0.5, 0.3, 0.2], dtype=np.float32))
+    tokens = draw_many(logits, SamplingParams(temperature=1.0))
+    freq = np.bincount(tokens, minlength=3) / len(tokens)
+    assert np.allclose(freq, [0.5, 0.3, 0.2], atol=0.03)
+
+
+def test_top_k_top_p_min_p_truncate():
+    logits = np.log(np.array([0.4, 0.3, 0.2, 0.1], dtype=np.float32))
+    assert set(draw_many(logits, SamplingParams(temperature=1.0, top_k=2))) == {0, 1}
+    assert set(draw_many(logits, SamplingParams(temperature=1.0, top_p=0.65))) == {0, 1}
+    assert set(draw_many(logits, SamplingParams(temperature=1.0, min_p=0.6))) == {0, 1}
+    freq = np.bincount(draw_many(logits, SamplingParams(temperature=1.0, top_k=2)), minlength=4) / 4000
+    assert np.allclose(freq[:2], [0.4 / 0.7, 0.3 / 0.7], atol=0.03)
+
+
+def test_seed_gives_same_tokens_whatever_the_batch():
+    rng = np.random.default_rng(5)
+    logits = rng.normal(size=(3, 100)).astype(np.float32)
+    p = SamplingParams(temperature=1.0, seed=7)
+    alone = sample(logits[1:2].copy(), [row(p, seed=7)])[0].token_id
+    batch = sample(logits.copy(), [row(SamplingParams(temperature=0.5), 1), row(p, 7), row(SamplingParams(temperature=2.0), 3)])
+    assert batch[1].token_id == alone
+
+
+def test_penalties_and_logit_bias():
+    logits = np.array([[2.0, 1.9, 0.0]], dtype=np.float32)
+    out = sample(logits.copy(), [row(SamplingParams(temperature=0, presence_penalty=0.5), output=[0])])
+    assert out[0].token_id == 1
+    out = sample(logits.copy(), [row(SamplingParams(temperature=0, repetition_penalty=1.2), prompt=[0])])
+    assert out[0].token_id == 1
+    out = sample(logits.copy(), [row(SamplingParams(temperature=0, frequency_penalty=0.05), output=[0, 0, 0])])
+    assert out[0].token_id == 1
+    out = sample(logits.copy(), [row(SamplingParams(temperature=0, logit_bias={2: 5.0}))])
+    assert out[0].token_id == 2
+
+
+def test_min_tokens_suppresses_stop_ids():
+    logits = np.zeros((1, 12), dtype=np.float32)
+    logits[0, 9] = 10.0
+    out = sample(logits.copy(), [row(SamplingParams(temperature=0, min_tokens=3), output=[1])])
+    assert out[0].token_id != 9
+
+
+def test_logprobs_are_normalised_and_top_sorted():
+    logits = np.log(np.array([[0.1, 0.6, 0.3]], dtype=np.float32))
+    out = sample(logits, [row(SamplingParams(temperature=0, logprobs=2))])[0]
+    assert out.token_id == 1 and out.logprob == pytest.approx(np.log(0.6), abs=1e-5)
+    assert out.top_ids == [1, 2]
+    assert np.exp(out.top_logprobs) == pytest.approx([0.6, 0.3], abs=1e-5)
+
+
+@pytest.mark.parametrize("kwargs, name", [
+    ({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"), ({"top_k": -3}, "top_k"),
+    ({"max_tokens": 0}, "max_tokens"), ({"n": 0}, "n"), ({"logprobs": 50}, "logprobs"),
+    ({"min_p": 2}, "min_p"), ({"presence_penalty": 5}, "presence_penalty"), ({"stop": [""]}, "stop"),
+    ({"min_tokens": 10, "max_tokens": 5}, "min_tokens"), ({"seed": 1.5}, "seed"),
+    ({"repetition_penalty": 0}, "repetition_penalty"), ({"logit_bias": {1: 1000}}, "logit_bias"),
+])
+def test_invalid_params_name_the_parameter(kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        SamplingParams(**kwargs)

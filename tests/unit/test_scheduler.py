@@ -1,0 +1,183 @@
+"""Scheduler and engine logic on the fake counting backend."""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from cllm.engine.llm_engine import LLMEngine
+from cllm.request import RequestStatus
+from cllm.sampling.params import SamplingParams
+from tests.unit.fakes import EOS, FakeBackend, fake_config
+
+GREEDY = SamplingParams(max_tokens=5, temperature=0)
+
+
+def make_engine(backend: FakeBackend | None = None, **overrides) -> tuple[LLMEngine, FakeBackend]:
+    backend = backend or FakeBackend()
+    overrides.setdefault("n_batch", backend.capacity.max_batch_tokens)
+    return LLMEngine(fake_config(**overrides), backend), backend
+
+
+def run_all(engine: LLMEngine, max_steps: int = 10_000) -> dict[str, object]:
+    final = {}
+    for _ in range(max_steps):
+        if not engine.has_unfinished():
+            return final
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = out
+    raise AssertionError("engine did not finish")
+
+
+def test_counting_model_outputs_follow_prompt():
+    engine, _ = make_engine()
+    engine.add_request([1, 2, 3], GREEDY, request_id="a")
+    out = run_all(engine)["a"]
+    assert out.outputs[0].token_ids == [4, 5, 6, 7, 8]
+    assert out.outputs[0].finish_reason == "length"
+
+
+def test_token_budget_and_chunked_prefill():
+    engine, backend = make_engine(FakeBackend(max_batch_tokens=8))
+    engine.add_request(list(range(20)), GREEDY, request_id="long")
+    engine.step()
+    assert [len(b[0]) for b in backend.batches] == [8]
+    engine.step(); engine.step()
+    # 8 + 8 + 4 prompt tokens: the prompt is done after three steps, then decode one token per step
+    assert [len(b[0]) for b in backend.batches] == [8, 8, 4]
+    out = run_all(engine)["long"]
+    assert out.outputs[0].token_ids == [20, 21, 22, 23, 24]
+    assert all(len(b[0]) <= 8 for b in backend.batches)
+
+
+def test_decodes_are_not_stalled_by_a_long_prefill():
+    engine, backend = make_engine(FakeBackend(max_batch_tokens=8))
+    engine.add_request([1], SamplingParams(max_tokens=10, temperature=0), request_id="short")
+    engine.step()
+    engine.add_request(list(range(40)), GREEDY, request_id="long")
+    for _ in range(4):
+        engine.step()
+    # every step after the first still carries the short request's decode token
+    assert all("short" in b[2] for b in backend.batches[1:5])
+
+
+def test_pool_exhaustion_waits_then_runs_everything():
+    engine, backend = make_engine(FakeBackend(slots=2))
+    for i in range(7):
+        engine.add_request([i], GREEDY, request_id=f"r{i}")
+    engine.step()
+    assert len(engine.scheduler.running) == 2 and engine.scheduler.num_waiting == 5
+    final = run_all(engine)
+    assert sorted(final) == [f"r{i}" for i in range(7)]
+    assert all(o.outputs[0].finish_reason == "length" for o in final.values())
+    assert backend.held == {} and backend.num_free_slots() == 2
+
+
+def test_slot_released_on_finish_abort_failure_and_timeout():
+    engine, backend = make_engine(FakeBackend(slots=4))
+    engine.add_request([1], SamplingParams(max_tokens=1, temperature=0), request_id="done")
+    engine.add_request([2], SamplingParams(max_tokens=50, temperature=0), request_id="aborted")
+    engine.add_request([3], SamplingParams(max_tokens=50, temperature=0), request_id="failed")
+    engine.add_request([4], SamplingParams(max_tokens=50, temperature=0), request_id="late", timeout_s=0.05)
+    engine.step(); engine.step()
+    assert "done" in backend.released
+    assert engine.abort_request("aborted").outputs[0].finish_reason == "abort"
+    backend.fail_when = {"failed"}
+    outs = {o.request_id: o for o in engine.step()}
+    assert outs["failed"].outputs[0].finish_reason == "error" and "injected" in outs["failed"].error
+    backend.fail_when = set()
+    time.sleep(0.06)
+    outs = {o.request_id: o for o in engine.step()}
+    assert outs["late"].outputs[0].finish_reason == "timeout"
+    assert backend.held == {}
+    assert set(backend.released) >= {"done", "aborted", "failed", "late"}
+
+
+def test_failure_only_fails_its_batch_and_engine_keeps_serving():
+    engine, backend = make_engine(FakeBackend(slots=4))
+    backend.fail_when = {"bad"}
+    engine.add_request([1], GREEDY, request_id="bad")
+    final = run_all(engine)
+    assert final["bad"].outputs[0].finish_reason == "error"
+    backend.fail_when = set()
+    engine.add_request([1], GREEDY, request_id="good")
+    assert run_all(engine)["good"].outputs[0].token_ids == [2, 3, 4, 5, 6]
+
+
+def test_priority_policy_orders_waiting_requests():
+    engine, backend = make_engine(FakeBackend(slots=1), policy="priority")
+    engine.add_request([1], SamplingParams(max_tokens=1, temperature=0), request_id="low", priority=5)
+    engine.add_request([2], SamplingParams(max_tokens=1, temperature=0), request_id="high", priority=-1)
+    engine.add_request([3], SamplingParams(max_tokens=1, temperature=0), request_id="mid", priority=0)
+    run_all(engine)
+    order = [b[2][0] for b in backend.batches]
+    assert order == ["high", "mid", "low"]
+
+
+def test_fcfs_policy_orders_by_arrival():
+    engine, backend = make_engine(FakeBackend(slots=1), policy="fcfs")
+    for name, prio in (("a", 5), ("b", -1), ("c", 0)):
+        engine.add_request([1], SamplingParams(max_tokens=1, temperature=0), request_id=name, priority=prio)
+    run_all(engine)
+    assert [b[2][0] for b in backend.batches] == ["a", "b", "c"]
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preemption_when_kv_runs_out_and_resume(mode):
+    # room for 24 tokens: two sequences growing to 5 + 15 tokens each cannot both fit
+    engine, backend = make_engine(FakeBackend(slots=2, kv_tokens=24), preemption_mode=mode)
+    params = SamplingParams(max_tokens=15, temperature=0)
+    engine.add_request([1, 2, 3, 4, 5], params, request_id="first")
+    engine.add_request([10, 11, 12, 13, 14], params, request_id="second")
+    final = run_all(engine)
+    assert engine.scheduler.num_preemptions >= 1
+    assert final["first"].outputs[0].token_ids == [(6 + i) % 64 for i in range(15)]
+    assert final["second"].outputs[0].token_ids == [(15 + i) % 64 for i in range(15)]
+    assert backend.held == {}
+
+
+def test_eos_stops_and_ignore_eos_and_min_tokens():
+    engine, _ = make_engine()
+    engine.add_request([EOS - 2], SamplingParams(max_tokens=5, temperature=0), request_id="stops")
+    engine.add_request([EOS - 2], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True), request_id="ignores")
+    engine.add_request([EOS - 1], SamplingParams(max_tokens=5, temperature=0, min_tokens=2), request_id="min")
+    final = run_all(engine)
+    assert final["stops"].outputs[0].token_ids == [EOS - 1, EOS]
+    assert final["stops"].outputs[0].finish_reason == "stop"
+    assert final["ignores"].outputs[0].token_ids == [EOS - 1, EOS, 0, 1, 2]
+    # EOS suppressed for the first 2 tokens: the fake model's next-best is token 0
+    assert final["min"].outputs[0].token_ids[0] != EOS
+
+
+def test_stop_string_and_stop_token_ids():
+    engine, _ = make_engine()
+    engine.add_request([0], SamplingParams(max_tokens=20, temperature=0, stop=["de"]), request_id="s")
+    engine.add_request([0], SamplingParams(max_tokens=20, temperature=0, stop_token_ids=[3]), request_id="t")
+    final = run_all(engine)
+    assert final["s"].outputs[0].text == "bc" and final["s"].outputs[0].stop_reason == "de"
+    assert final["t"].outputs[0].token_ids == [1, 2, 3] and final["t"].outputs[0].finish_reason == "stop"
+
+
+def test_queue_bound_and_bad_input():
+    engine, _ = make_engine(max_waiting=2)
+    engine.add_request([1], GREEDY)
+    engine.add_request([1], GREEDY)
+    from cllm.errors import ContextLengthError, QueueFullError
+    with pytest.raises(QueueFullError):
+        engine.add_request([1], GREEDY)
+    with pytest.raises(ValueError, match="prompt is empty"):
+        engine.add_request([], GREEDY)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        engine.add_request([999], GREEDY)
+    with pytest.raises(ContextLengthError):
+        engine.add_request(list(range(10)) * 500, GREEDY)
+
+
+def test_n_greater_than_one_gives_n_choices():
+    engine, _ = make_engine()
+    engine.add_request([1], SamplingParams(max_tokens=3, temperature=0, n=3), request_id="multi")
+    out = run_all(engine)["multi"]
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    assert all(c.token_ids == [2, 3, 4] for c in out.outputs)
+    assert out.usage.completion_tokens == 9
