@@ -51,6 +51,8 @@ def sample(logits: np.ndarray, rows: Sequence[SamplingRow]) -> list[SampledToken
     logprobs = _log_softmax(logits[logprob_rows]) if logprob_rows else None
     chosen = np.empty(len(rows), dtype=np.int64)
     greedy = np.array([r.params.greedy for r in rows], dtype=bool)
+    if greedy.all():
+        return _results(logits.argmax(axis=1), rows, logprob_rows, logprobs)
     if greedy.any():
         chosen[greedy] = logits[greedy].argmax(axis=1)
     stochastic = np.flatnonzero(~greedy)

@@ -123,3 +123,8 @@ class FakeBackend(Backend):
 
 def fake_config(**overrides) -> CllmConfig:
     return load_config(None, environ={}, **overrides)
+
+
+def make_fake_backend(config: CllmConfig) -> FakeBackend:
+    """Registry-style factory (what an entry point in group cllm.backends names)."""
+    return FakeBackend(slots=config.model.n_seq_max, max_batch_tokens=config.model.n_batch)

@@ -210,10 +210,9 @@ class LlamaCppBackend(Backend):
             raise BackendError(f"llama_decode failed with code {rc}", list(slots))
         for tok, sid in zip(flat_ids, sequence_ids):
             slots[sid].tokens.append(int(tok))
-        out = np.empty((len(rows), self._ctx.n_vocab), dtype=np.float32)
-        for i, row in enumerate(rows):
-            out[i] = self._ctx.logits_row(int(row))
-        return out
+        # llama.cpp returns output rows in batch order; reorder (and copy) into logits_for order.
+        in_batch_order = np.sort(rows)
+        return self._ctx.output_logits(len(rows))[np.searchsorted(in_batch_order, rows)]
 
     def _roll_back(self, slots: dict[str, Slot]) -> None:
         """After a failed decode, drop KV cells it may have left beyond what each slot is known to hold."""

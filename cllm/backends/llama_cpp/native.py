@@ -99,11 +99,12 @@ class LlamaContextHandle:
         """llama_decode; returns its code (0 ok, 1 no KV slot, other = error)."""
         return C.llama_decode(self.ptr, batch.struct)
 
-    def logits_row(self, batch_index: int) -> np.ndarray:
-        ptr = C.llama_get_logits_ith(self.ptr, batch_index)
+    def output_logits(self, n_outputs: int) -> np.ndarray:
+        """All rows of the last decode's outputs, in batch order: a view into llama.cpp's buffer (no copy)."""
+        ptr = C.llama_get_logits(self.ptr)
         if not ptr:
-            raise RuntimeError(f"llama.cpp returned no logits for batch row {batch_index}")
-        return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))
+            raise RuntimeError("llama.cpp returned no logits")
+        return np.ctypeslib.as_array(ptr, shape=(n_outputs, self.n_vocab))
 
     def seq_rm(self, seq_id: int, p0: int = -1, p1: int = -1) -> bool:
         return bool(C.llama_memory_seq_rm(self.memory, seq_id, p0, p1))
