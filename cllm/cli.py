@@ -128,10 +128,12 @@ def _mount_bench() -> None:
     try:
         from cllm.bench.cli import app as bench_app
     except ImportError as err:  # bench extras (httpx, matplotlib) not installed
+        reason = str(err)
+
         @app.command(name="bench")
         def bench_missing() -> None:
             """Benchmarks (needs `pip install cllm[bench]`)."""
-            typer.echo(f"error: cllm bench needs the bench extras: {err}", err=True)
+            typer.echo(f"error: cllm bench needs the bench extras: {reason}", err=True)
             raise typer.Exit(2)
         return
     app.add_typer(bench_app, name="bench", help="Benchmarks: offline, serve, compare.")

@@ -21,8 +21,8 @@ from typing import Any
 
 from cllm.backends.base import Backend, Tokenizer
 from cllm.config import CllmConfig
-from cllm.engine.llm import make_config
-from cllm.engine.llm_engine import LLMEngine, Prompt
+from cllm.engine.llm import make_engine
+from cllm.engine.llm_engine import Prompt
 from cllm.engine.stats import EngineStats, RunningRequestInfo
 from cllm.errors import EngineDeadError, QueueFullError
 from cllm.model_path import resolve_model_path
@@ -46,10 +46,8 @@ class AsyncLLM:
 
     def __init__(self, model: str | None = None, backend: str | Backend | None = None,
                  config: CllmConfig | str | Path | None = None, **overrides: Any) -> None:
-        instance = backend if isinstance(backend, Backend) else None
-        name = None if instance is not None else backend
-        self.config = make_config(config, {"model": model, "backend": name, **overrides})
-        self.engine = LLMEngine(self.config, instance)
+        self.engine = make_engine(model, backend, config, overrides)
+        self.config = self.engine.config
         self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._state_lock = threading.Lock()

@@ -23,6 +23,14 @@ def make_config(config: CllmConfig | str | Path | None, overrides: dict[str, Any
     return load_config(config, **overrides)
 
 
+def make_engine(model: str | None, backend: str | Backend | None, config: CllmConfig | str | Path | None,
+                overrides: dict[str, Any]) -> LLMEngine:
+    """The engine behind LLM and AsyncLLM; ``backend`` is a registry name or a ready Backend instance."""
+    instance = backend if isinstance(backend, Backend) else None
+    name = None if instance is not None else backend
+    return LLMEngine(make_config(config, {"model": model, "backend": name, **overrides}), instance)
+
+
 class LLM:
     """Offline generation: every prompt of a call is continuously batched together.
 
@@ -34,10 +42,8 @@ class LLM:
 
     def __init__(self, model: str | None = None, backend: str | Backend | None = None,
                  config: CllmConfig | str | Path | None = None, **overrides: Any) -> None:
-        instance = backend if isinstance(backend, Backend) else None
-        name = None if instance is not None else backend
-        self.config = make_config(config, {"model": model, "backend": name, **overrides})
-        self.engine = LLMEngine(self.config, instance)
+        self.engine = make_engine(model, backend, config, overrides)
+        self.config = self.engine.config
 
     @property
     def tokenizer(self):
