@@ -1,0 +1,123 @@
+"""The FastAPI app (`create_app`) and the uvicorn process around it (`run_server`)."""
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+from types import FrameType
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI
+from fastapi.middleware.cors import CORSMiddleware
+
+from cllm.config import CllmConfig
+from cllm.server.access_log import AccessLogMiddleware, AccessRecord
+from cllm.server.body_limit import BodyLimitMiddleware
+from cllm.server.errors import install_error_handlers
+from cllm.server.lifecycle import lifespan_for, request_drain
+from cllm.server.routes import KNOWN_PATHS, routers
+from cllm.server.state import ServerState
+
+log = logging.getLogger("cllm.server")
+
+# Extra time uvicorn gives connections beyond the engine's grace, so requests the
+# engine aborts at the deadline can still send their last bytes before being cut.
+_CONNECTION_GRACE_MARGIN_S = 3.0
+
+
+def create_app(config: CllmConfig, engine: Any | None = None) -> FastAPI:
+    """The OpenAI-compatible app.
+
+    With ``engine`` None the app builds ``AsyncLLM(config=config)`` in a thread at
+    startup (``/health`` answers 503 until it is ready); a given engine is
+    started at startup and shut down with the app. All state lives on
+    ``app.state.cllm`` — two apps in one process share nothing.
+    """
+    state = ServerState(config=config)
+    app = FastAPI(
+        title="cllm",
+        summary="OpenAI-compatible LLM server with continuous batching",
+        lifespan=lifespan_for(state, engine),
+        docs_url="/docs",
+        redoc_url=None,
+    )
+    app.state.cllm = state
+    install_error_handlers(app)
+    for router in routers(config.server.api_key):
+        app.include_router(router)
+
+    def count_response(record: AccessRecord) -> None:
+        route = record.path if record.path in KNOWN_PATHS else "other"
+        state.metrics.http_responses.labels(route=route, code=str(record.status or 499)).inc()
+
+    # Added innermost first: the body limit sees requests after logging and CORS.
+    app.add_middleware(BodyLimitMiddleware, max_bytes=config.server.max_body_bytes)
+    if config.server.cors_origins:
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=config.server.cors_origins,
+            allow_methods=["*"],
+            allow_headers=["*"],
+        )
+    app.add_middleware(AccessLogMiddleware, on_done=count_response)
+    return app
+
+
+class _DrainingServer(uvicorn.Server):
+    """uvicorn, but SIGTERM/SIGINT drain the engine at once and end the process with status 0.
+
+    Stock uvicorn re-raises the signal after its graceful shutdown, so a
+    drained SIGTERM would still exit with -15; a clean drain is a clean exit.
+    """
+
+    def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
+        super().__init__(config)
+        self._state = state
+        self.exit_code = 0
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self.should_exit and sig == signal.SIGINT:
+            self.force_exit = True  # a second Ctrl-C stops waiting for connections
+        else:
+            self.should_exit = True
+        request_drain(self._state)
+
+    def fail(self, reason: str) -> None:
+        """Stop the server with a non-zero status (the model could not be loaded)."""
+        log.error("exiting: %s", reason)
+        self.exit_code = 1
+        self.should_exit = True
+
+
+def configure_logging(level: str) -> None:
+    """Root logging for the server process (uvicorn's loggers propagate to it)."""
+    logging.basicConfig(
+        level=level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+        force=True,
+    )
+
+
+def run_server(config: CllmConfig) -> None:
+    """Serve ``config`` until SIGTERM/SIGINT; exit status 1 if the model fails to load."""
+    server_cfg = config.server
+    configure_logging(server_cfg.log_level)
+    app = create_app(config)
+    uv_config = uvicorn.Config(
+        app,
+        host=server_cfg.host,
+        port=server_cfg.port,
+        log_level=server_cfg.log_level,
+        log_config=None,
+        access_log=False,  # AccessLogMiddleware writes one richer line per request
+        lifespan="on",
+        timeout_graceful_shutdown=int(server_cfg.shutdown_grace_s + _CONNECTION_GRACE_MARGIN_S),
+    )
+    server = _DrainingServer(uv_config, app.state.cllm)
+    app.state.cllm.on_fatal = server.fail
+    log.info("cllm serving on http://%s:%d (model loading in the background)", server_cfg.host, server_cfg.port)
+    server.run()
+    if server.exit_code:
+        sys.exit(server.exit_code)

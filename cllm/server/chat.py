@@ -1,0 +1,143 @@
+"""POST /v1/chat/completions: messages rendered with the model's chat template, n choices."""
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Iterable
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from cllm.outputs import RequestOutput
+from cllm.server.access_log import access_record
+from cllm.server.errors import bad_request, reject_unsupported
+from cllm.server.generation import GenerationStream
+from cllm.server.logprobs import chat_logprobs
+from cllm.server.protocol import (
+    ChatChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatMessage,
+    ChatResponseMessage,
+    ChatStreamChoice,
+    DeltaMessage,
+    UsageInfo,
+)
+from cllm.server.sampling import build_sampling_params
+from cllm.server.serving import ResponseMeta, respond, total_usage
+from cllm.server.state import get_state
+from cllm.server.streaming import sse_model
+from cllm.server.tokens import default_max_tokens
+
+log = logging.getLogger("cllm.server")
+_NORMAL_FINISH = ("stop", "length")
+
+
+def render_chat(engine: Any, messages: list[ChatMessage], add_generation_prompt: bool = True) -> str:
+    """The prompt text for ``messages``; 400 naming the message for anything the template cannot take."""
+    if not messages:
+        raise bad_request("messages must not be empty", param="messages")
+    plain: list[dict[str, str]] = []
+    for i, message in enumerate(messages):
+        try:
+            text = message.text()
+        except ValueError as exc:
+            raise bad_request(str(exc), param=f"messages.{i}.content") from None
+        # Chat templates predate OpenAI's "developer" role; it means what "system" meant.
+        entry = {"role": "system" if message.role == "developer" else message.role, "content": text}
+        if message.name:
+            entry["name"] = message.name
+        plain.append(entry)
+    try:
+        return str(engine.apply_chat_template(plain, add_generation_prompt=add_generation_prompt))
+    except Exception as exc:  # template errors (jinja raise_exception …) are about the messages given
+        log.info("chat template refused the messages: %s", exc)
+        raise bad_request(f"invalid messages for this model's chat template: {exc}", param="messages") from None
+
+
+class ChatFormatter:
+    """SSE chunks for /v1/chat/completions: a role chunk per choice, then content deltas."""
+
+    def __init__(self, meta: ResponseMeta, n: int, logprobs: bool) -> None:
+        self._meta = meta
+        self._n = n
+        self._logprobs = logprobs
+        self._finished: set[int] = set()  # choices whose finish_reason was sent
+
+    def prelude(self) -> Iterable[bytes]:
+        for index in range(self._n):
+            choice = ChatStreamChoice(index=index, delta=DeltaMessage(role="assistant", content=""))
+            yield sse_model(self._chunk([choice]))
+
+    def chunks(self, prompt_index: int, out: RequestOutput) -> Iterable[bytes]:
+        for o in out.outputs:
+            reason = o.finish_reason if o.finish_reason in _NORMAL_FINISH and o.index not in self._finished else None
+            if not (o.text_delta or reason):
+                continue
+            if reason:
+                self._finished.add(o.index)
+            logprobs = chat_logprobs(o.logprobs_delta) if self._logprobs and o.logprobs_delta else None
+            delta = DeltaMessage(content=o.text_delta) if o.text_delta else DeltaMessage()
+            choice = ChatStreamChoice(index=o.index, delta=delta, logprobs=logprobs, finish_reason=reason)
+            yield sse_model(self._chunk([choice]))
+
+    def usage_chunk(self, usage: UsageInfo) -> bytes:
+        return sse_model(self._chunk([], usage))
+
+    def _chunk(self, choices: list[ChatStreamChoice], usage: UsageInfo | None = None) -> ChatCompletionChunk:
+        m = self._meta
+        return ChatCompletionChunk(id=m.id, created=m.created, model=m.model, choices=choices, usage=usage)
+
+
+def build_chat(meta: ResponseMeta, final: RequestOutput, logprobs: bool) -> ChatCompletionResponse:
+    """The non-streaming response body."""
+    choices = [
+        ChatChoice(
+            index=o.index,
+            message=ChatResponseMessage(content=o.text),
+            logprobs=chat_logprobs(o.logprobs or []) if logprobs else None,
+            finish_reason=o.finish_reason,
+        )
+        for o in final.outputs
+    ]
+    return ChatCompletionResponse(
+        id=meta.id, created=meta.created, model=meta.model, choices=choices, usage=total_usage([final])
+    )
+
+
+def _logprobs_setting(body: ChatCompletionRequest) -> int | None:
+    if body.top_logprobs is not None and not body.logprobs:
+        raise bad_request("top_logprobs requires logprobs=true", param="top_logprobs")
+    return (body.top_logprobs or 0) if body.logprobs else None
+
+
+async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
+    """Validate, admit and run one chat request."""
+    state = get_state(request)
+    model = state.require_ready()
+    state.check_model(body.model)
+    reject_unsupported(body)
+    prompt = render_chat(model.engine, body.messages, body.add_generation_prompt is not False)
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    if max_tokens is None:
+        max_tokens = default_max_tokens(
+            model.engine.tokenizer, prompt, max_model_len=model.max_model_len, limit=model.limits.max_tokens_limit
+        )
+    params = build_sampling_params(body, max_tokens=max_tokens, logprobs=_logprobs_setting(body), limits=model.limits)
+    meta = ResponseMeta(id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()), model=model.name)
+    record = access_record(request)
+    if record is not None:
+        record.request_id = meta.id
+    stream = GenerationStream(
+        model.engine, [prompt], params, request_id=meta.id, priority=body.priority or 0,
+        metrics=state.metrics, record=record, prompt_param="messages",
+    )
+    wants_logprobs = bool(body.logprobs)
+    return await respond(
+        request, stream, meta=meta, wants_stream=body.wants_stream, include_usage=body.include_usage,
+        formatter=lambda: ChatFormatter(meta, params.n, wants_logprobs),
+        build=lambda finals: build_chat(meta, finals[0], wants_logprobs),
+    )

@@ -1,0 +1,127 @@
+"""POST /v1/completions: text (or token) prompts, one or a batch, n choices each."""
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterable
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from cllm.outputs import RequestOutput
+from cllm.server.access_log import access_record
+from cllm.server.errors import bad_request, reject_unsupported
+from cllm.server.generation import GenerationStream, Prompt
+from cllm.server.logprobs import completion_logprobs, next_text_offset
+from cllm.server.protocol import CompletionChoice, CompletionRequest, CompletionResponse, UsageInfo
+from cllm.server.sampling import build_sampling_params
+from cllm.server.serving import ResponseMeta, respond, total_usage
+from cllm.server.state import get_state
+from cllm.server.streaming import sse_model
+
+# Prompts in one batched request; each becomes its own engine request.
+MAX_PROMPTS = 128
+# Legacy completions default when max_tokens is omitted (as on api.openai.com).
+DEFAULT_MAX_TOKENS = 16
+_NORMAL_FINISH = ("stop", "length")
+
+
+def _check_tokens(tokens: list[int], vocab_size: int) -> list[int]:
+    if not tokens:
+        raise bad_request("a token prompt must not be empty", param="prompt")
+    bad = [t for t in tokens if not 0 <= t < vocab_size]
+    if bad:
+        raise bad_request(f"invalid prompt token ids {bad[:8]}: must be in [0, {vocab_size})", param="prompt")
+    return list(tokens)
+
+
+def prompts_of(prompt: str | list[str] | list[int] | list[list[int]], vocab_size: int) -> list[Prompt]:
+    """The request's prompt field as a list of engine prompts (text or token ids)."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise bad_request("prompt must not be an empty list", param="prompt")
+    if isinstance(prompt[0], int):
+        return [_check_tokens(prompt, vocab_size)]  # type: ignore[arg-type]
+    if len(prompt) > MAX_PROMPTS:
+        raise bad_request(f"too many prompts ({len(prompt)}): at most {MAX_PROMPTS} per request", param="prompt")
+    return [p if isinstance(p, str) else _check_tokens(p, vocab_size) for p in prompt]  # type: ignore[misc]
+
+
+class CompletionFormatter:
+    """SSE chunks for /v1/completions; one chunk per choice with news."""
+
+    def __init__(self, meta: ResponseMeta, n: int, logprobs: bool) -> None:
+        self._meta = meta
+        self._n = n
+        self._logprobs = logprobs
+        self._offsets: dict[int, int] = {}  # choice index -> text offset of its next token
+        self._finished: set[int] = set()  # choices whose finish_reason was sent
+
+    def prelude(self) -> Iterable[bytes]:
+        return ()
+
+    def chunks(self, prompt_index: int, out: RequestOutput) -> Iterable[bytes]:
+        for o in out.outputs:
+            index = prompt_index * self._n + o.index
+            reason = o.finish_reason if o.finish_reason in _NORMAL_FINISH and index not in self._finished else None
+            if not (o.text_delta or reason):
+                continue
+            if reason:
+                self._finished.add(index)
+            logprobs = None
+            if self._logprobs and o.logprobs_delta:
+                start = self._offsets.get(index, 0)
+                logprobs = completion_logprobs(o.logprobs_delta, start)
+                self._offsets[index] = next_text_offset(o.logprobs_delta, start)
+            choice = CompletionChoice(index=index, text=o.text_delta, logprobs=logprobs, finish_reason=reason)
+            yield sse_model(self._chunk([choice]))
+
+    def usage_chunk(self, usage: UsageInfo) -> bytes:
+        return sse_model(self._chunk([], usage))
+
+    def _chunk(self, choices: list[CompletionChoice], usage: UsageInfo | None = None) -> CompletionResponse:
+        m = self._meta
+        return CompletionResponse(id=m.id, created=m.created, model=m.model, choices=choices, usage=usage)
+
+
+def build_completion(meta: ResponseMeta, finals: list[RequestOutput], n: int, logprobs: bool) -> CompletionResponse:
+    """The non-streaming response body."""
+    choices = [
+        CompletionChoice(
+            index=p * n + o.index,
+            text=o.text,
+            logprobs=completion_logprobs(o.logprobs or []) if logprobs else None,
+            finish_reason=o.finish_reason,
+        )
+        for p, final in enumerate(finals)
+        for o in final.outputs
+    ]
+    return CompletionResponse(
+        id=meta.id, created=meta.created, model=meta.model, choices=choices, usage=total_usage(finals)
+    )
+
+
+async def create_completion(body: CompletionRequest, request: Request) -> Response:
+    """Validate, admit and run one completions request."""
+    state = get_state(request)
+    model = state.require_ready()
+    state.check_model(body.model)
+    reject_unsupported(body)
+    prompts = prompts_of(body.prompt, model.limits.vocab_size)
+    max_tokens = DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
+    params = build_sampling_params(body, max_tokens=max_tokens, logprobs=body.logprobs, limits=model.limits)
+    meta = ResponseMeta(id=f"cmpl-{uuid.uuid4().hex}", created=int(time.time()), model=model.name)
+    record = access_record(request)
+    if record is not None:
+        record.request_id = meta.id
+    stream = GenerationStream(
+        model.engine, prompts, params, request_id=meta.id, priority=body.priority or 0,
+        metrics=state.metrics, record=record, prompt_param="prompt",
+    )
+    wants_logprobs = body.logprobs is not None
+    return await respond(
+        request, stream, meta=meta, wants_stream=body.wants_stream, include_usage=body.include_usage,
+        formatter=lambda: CompletionFormatter(meta, params.n, wants_logprobs),
+        build=lambda finals: build_completion(meta, finals, params.n, wants_logprobs),
+    )

@@ -1,0 +1,117 @@
+"""Engine lifecycle under the server: load in the background, drain on shutdown.
+
+Loading takes seconds and blocks, so it runs in a worker thread while the
+server already answers ``/health`` with 503. Shutdown is a drain: new work is
+refused at once (503), in-flight requests get up to ``shutdown_grace_s`` to
+finish, then the engine aborts the rest and frees everything.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI
+
+from cllm.config import CllmConfig
+from cllm.server.sampling import RequestLimits
+from cllm.server.state import LoadedModel, Phase, ServerState
+
+log = logging.getLogger("cllm.server")
+
+
+def _construct_engine(config: CllmConfig) -> Any:
+    from cllm.engine.async_llm import AsyncLLM  # imported here: it pulls in the backends
+
+    return AsyncLLM(config=config)
+
+
+def _served_name(config: CllmConfig, engine: Any) -> str:
+    if config.server.served_model_name:
+        return config.server.served_model_name
+    name = getattr(engine, "model_name", None)
+    return str(name) if name else Path(str(config.model.model or "model")).stem
+
+
+def attach_engine(state: ServerState, engine: Any) -> None:
+    """Start a loaded engine and open for traffic (or drain it at once if shutdown already began)."""
+    engine.start()
+    limits = RequestLimits(
+        max_tokens_limit=state.config.server.max_tokens_limit,
+        max_n=state.config.server.max_n,
+        vocab_size=engine.tokenizer.vocab_size,
+    )
+    state.loaded = LoadedModel(
+        engine=engine, name=_served_name(state.config, engine), limits=limits, max_model_len=engine.max_model_len
+    )
+    if state.phase is Phase.DRAINING:
+        begin_drain(state)
+        return
+    state.phase = Phase.READY
+    log.info("model %s ready (max_model_len=%d)", state.loaded.name, state.loaded.max_model_len)
+
+
+async def load_engine(state: ServerState) -> None:
+    """Construct the engine in a thread; on failure mark FAILED and ask the process to exit."""
+    try:
+        engine = await asyncio.to_thread(_construct_engine, state.config)
+    except Exception as exc:
+        log.error("failed to load the model: %s", exc, exc_info=exc)
+        state.phase = Phase.FAILED
+        state.load_error = f"{type(exc).__name__}: {exc}"
+        if state.on_fatal is not None:
+            state.on_fatal(state.load_error)
+        return
+    attach_engine(state, engine)
+
+
+def begin_drain(state: ServerState) -> None:
+    """Stop admitting work and start the engine's graceful shutdown. Idempotent; call on the loop."""
+    if state.phase is not Phase.FAILED:
+        state.phase = Phase.DRAINING
+    if state.loaded is not None and state.shutdown_task is None:
+        grace = state.config.server.shutdown_grace_s
+        log.info("shutting down: in-flight requests have %.1fs to finish", grace)
+        state.shutdown_task = asyncio.ensure_future(state.loaded.engine.shutdown(grace))
+
+
+def request_drain(state: ServerState) -> None:
+    """Thread- and signal-safe: schedule ``begin_drain`` on the serving loop."""
+    if state.loop is not None and not state.loop.is_closed():
+        state.loop.call_soon_threadsafe(begin_drain, state)
+
+
+async def finish_shutdown(state: ServerState) -> None:
+    """End of the app's life: drain (if not begun), wait for it, and for a load still in progress."""
+    begin_drain(state)
+    if state.load_task is not None and not state.load_task.done():
+        # A model thread cannot be interrupted; wait for it so its engine is shut down too.
+        with contextlib.suppress(Exception):
+            await state.load_task
+    if state.shutdown_task is not None:
+        try:
+            await state.shutdown_task
+        except Exception as exc:
+            log.error("engine shutdown failed: %s", exc, exc_info=exc)
+    log.info("shutdown complete")
+
+
+def lifespan_for(state: ServerState, engine: Any | None) -> Any:
+    """The FastAPI lifespan: attach or load the engine at startup, drain at shutdown."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        state.loop = asyncio.get_running_loop()
+        if engine is not None:
+            attach_engine(state, engine)
+        else:
+            state.load_task = asyncio.create_task(load_engine(state))
+        try:
+            yield
+        finally:
+            await finish_shutdown(state)
+
+    return lifespan

@@ -1,0 +1,101 @@
+"""Prometheus metrics of one app: its own CollectorRegistry, no process-global state.
+
+Latency histograms and per-status request counts are observed by the server as
+requests finish; engine state (queue depths, slots, KV, prefix cache, token
+totals) is read from ``engine.stats()`` at scrape time so it is never stale.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from cllm.outputs import RequestMetrics
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
+_E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0)
+
+
+class EngineStatsCollector(Collector):
+    """Exports ``engine.stats()`` at scrape time; nothing while the engine is not loaded."""
+
+    def __init__(self, stats: Callable[[], Any | None]) -> None:
+        self._stats = stats
+
+    def describe(self) -> Iterable[Metric]:
+        # Names are fixed; an empty description keeps registration from calling collect().
+        return []
+
+    def collect(self) -> Iterable[Metric]:
+        s = self._stats()
+        if s is None:
+            return
+        gauges = {
+            "cllm_num_requests_running": ("Requests being generated", s.num_running),
+            "cllm_num_requests_waiting": ("Requests waiting for a slot", s.num_waiting),
+            "cllm_num_requests_preempted": ("Requests preempted, waiting to resume", s.num_preempted),
+            "cllm_slots_in_use": ("Sequence slots holding a live request", s.slots_in_use),
+            "cllm_slots_total": ("Sequence slots in the backend", s.slots_total),
+            "cllm_kv_cache_usage_ratio": ("Fraction of KV cache used by live sequences", s.kv_usage),
+            "cllm_prefix_cache_hit_rate": ("Prompt tokens served from prefix cache / prompt tokens asked", s.prefix_cache_hit_rate),
+            "cllm_generation_tokens_per_second": ("Recent generation throughput", s.tokens_per_s),
+        }
+        for name, (doc, value) in gauges.items():
+            yield GaugeMetricFamily(name, doc, value=float(value))
+        counters = {
+            "cllm_prompt_tokens": ("Prompt tokens processed", s.prompt_tokens_total),
+            "cllm_generation_tokens": ("Tokens generated", s.generation_tokens_total),
+            "cllm_prefix_cache_queried_tokens": ("Prompt tokens looked up in the prefix cache", s.prefix_cache_queried_tokens),
+            "cllm_prefix_cache_hit_tokens": ("Prompt tokens found in the prefix cache", s.prefix_cache_hit_tokens),
+        }
+        for name, (doc, value) in counters.items():
+            yield CounterMetricFamily(name, doc, value=float(value))
+        finished = CounterMetricFamily(
+            "cllm_engine_requests_finished", "Engine requests finished, by finish reason", labels=["finish_reason"]
+        )
+        for reason, count in sorted(s.requests_finished.items()):
+            finished.add_metric([reason], float(count))
+        yield finished
+
+
+class ServerMetrics:
+    """The metrics of one server app."""
+
+    def __init__(self, stats: Callable[[], Any | None]) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter("cllm_requests", "Generation requests by final status", ["status"], registry=r)
+        self.http_responses = Counter(
+            "cllm_http_responses", "HTTP responses by route and status code", ["route", "code"], registry=r
+        )
+        self.ttft = Histogram("cllm_time_to_first_token_seconds", "Arrival to first token", buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("cllm_inter_token_latency_seconds", "Gap between streamed tokens", buckets=_ITL_BUCKETS, registry=r)
+        self.e2e = Histogram("cllm_e2e_request_latency_seconds", "Arrival to finish", buckets=_E2E_BUCKETS, registry=r)
+        self.queue_time = Histogram("cllm_request_queue_time_seconds", "Arrival to first scheduled", buckets=_LATENCY_BUCKETS, registry=r)
+        r.register(EngineStatsCollector(stats))
+
+    def observe_finished(self, status: str, metrics: RequestMetrics) -> None:
+        """One engine request reached its final status."""
+        self.requests.labels(status=status).inc()
+        if metrics.ttft is not None:
+            self.ttft.observe(metrics.ttft)
+        if metrics.queue_time is not None:
+            self.queue_time.observe(metrics.queue_time)
+        if metrics.e2e is not None:
+            self.e2e.observe(metrics.e2e)
+
+    def observe_tokens(self, gap_s: float, num_tokens: int) -> None:
+        """``num_tokens`` arrived ``gap_s`` after the previous ones: that much per token."""
+        per_token = gap_s / num_tokens
+        for _ in range(num_tokens):
+            self.itl.observe(per_token)
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition."""
+        return generate_latest(self.registry)

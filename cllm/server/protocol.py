@@ -1,0 +1,301 @@
+"""Pydantic models of the OpenAI HTTP API (requests, responses, stream chunks).
+
+Requests validate strictly (``"n": "2"`` or ``"stream": "yes"`` are type
+errors, as on api.openai.com) but ignore fields we do not know, so clients that
+send extra OpenAI fields keep working; fields we know and cannot honour (tools,
+echo, suffix, JSON mode …) are listed by ``unsupported()`` and refused with 400.
+Values are range-checked where they become SamplingParams, which names the bad
+parameter.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore", protected_namespaces=())
+
+
+class StreamOptions(_Request):
+    """``stream_options``: ask for a final usage chunk."""
+
+    include_usage: bool | None = None
+
+
+class GenerationRequest(_Request):
+    """Fields shared by /v1/completions and /v1/chat/completions (None = default)."""
+
+    model: str | None = None
+    n: int | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    best_of: int | None = None
+    # Extensions (vLLM names).
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool | None = None
+    priority: int | None = Field(None, description="lower runs first under the priority scheduling policy")
+
+    def unsupported(self) -> tuple[str, str] | None:
+        """(param, why) for the first field set to something this server cannot do."""
+        if self.best_of is not None and self.best_of != (self.n or 1):
+            return "best_of", "best_of is not supported (only best_of == n)"
+        return None
+
+    @property
+    def wants_stream(self) -> bool:
+        return bool(self.stream)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(GenerationRequest):
+    """POST /v1/completions."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool | None = None
+    suffix: str | None = None
+
+    def unsupported(self) -> tuple[str, str] | None:
+        if self.echo:
+            return "echo", "echo is not supported"
+        if self.suffix:
+            return "suffix", "suffix (insertion) is not supported"
+        return super().unsupported()
+
+
+class TextContentPart(_Request):
+    """One part of a message's content; only text parts are supported."""
+
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Request):
+    """One message of a conversation."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[Any] | None = None
+    tool_call_id: str | None = None
+
+    def text(self) -> str:
+        """The content as one string (text parts joined); ValueError for non-text parts."""
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        for part in self.content:
+            if part.type != "text" or part.text is None:
+                raise ValueError(f"content part of type {part.type!r} is not supported (text only)")
+        return "".join(part.text or "" for part in self.content)
+
+
+class ResponseFormat(_Request):
+    """``response_format``; only plain text is supported."""
+
+    type: str
+
+
+class ChatCompletionRequest(GenerationRequest):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    response_format: ResponseFormat | None = None
+    add_generation_prompt: bool | None = None
+
+    def unsupported(self) -> tuple[str, str] | None:
+        if self.tools or self.functions:
+            return ("tools" if self.tools else "functions"), "tool / function calling is not supported"
+        if self.tool_choice not in (None, "none", "auto") or self.function_call not in (None, "none", "auto"):
+            return "tool_choice", "tool / function calling is not supported"
+        if self.response_format is not None and self.response_format.type != "text":
+            return "response_format", f"response_format type {self.response_format.type!r} is not supported (text only)"
+        for i, message in enumerate(self.messages):
+            if message.tool_calls or message.role == "tool":
+                return f"messages.{i}", "tool messages and tool calls are not supported"
+        return super().unsupported()
+
+
+class TokenizeRequest(_Request):
+    """POST /tokenize: exactly one of ``prompt`` or ``messages``."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool | None = None
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of 'prompt' or 'messages'")
+        return self
+
+
+class DetokenizeRequest(_Request):
+    """POST /detokenize."""
+
+    model: str | None = None
+    tokens: list[int]
+
+
+# ---- responses ---------------------------------------------------------------------
+
+
+class _Response(BaseModel):
+    model_config = ConfigDict(protected_namespaces=())
+
+
+class PromptTokensDetails(_Response):
+    cached_tokens: int = 0
+
+
+class UsageInfo(_Response):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
+
+
+class CompletionLogprobs(_Response):
+    """Legacy completions logprobs: parallel lists, one entry per output token."""
+
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(_Response):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+
+
+def _now() -> int:
+    return int(time.time())
+
+
+class CompletionResponse(_Response):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    system_fingerprint: str | None = None
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class ChatTopLogprob(_Response):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(_Response):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+    top_logprobs: list[ChatTopLogprob] = Field(default_factory=list)
+
+
+class ChatChoiceLogprobs(_Response):
+    content: list[ChatTokenLogprob] | None = None
+    refusal: list[ChatTokenLogprob] | None = None
+
+
+class ChatResponseMessage(_Response):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+    refusal: str | None = None
+
+
+class ChatChoice(_Response):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatChoiceLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionResponse(_Response):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    system_fingerprint: str | None = None
+    choices: list[ChatChoice]
+    usage: UsageInfo | None = None
+
+
+class DeltaMessage(_Response):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatStreamChoice(_Response):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatChoiceLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(_Response):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=_now)
+    model: str
+    system_fingerprint: str | None = None
+    choices: list[ChatStreamChoice]
+    usage: UsageInfo | None = None
+
+
+class ModelCard(_Response):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=_now)
+    owned_by: str = "cllm"
+    max_model_len: int | None = None
+
+
+class ModelList(_Response):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class TokenizeResponse(_Response):
+    tokens: list[int]
+    count: int
+    max_model_len: int
+
+
+class DetokenizeResponse(_Response):
+    prompt: str

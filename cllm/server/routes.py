@@ -1,0 +1,126 @@
+"""The HTTP routes: OpenAI endpoints under /v1 (behind the API key), operations endpoints beside them."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from fastapi import APIRouter, Depends
+from fastapi.responses import JSONResponse
+from starlette.requests import Request
+from starlette.responses import Response
+
+from cllm.server.auth import api_key_check
+from cllm.server.chat import create_chat_completion, render_chat
+from cllm.server.completions import create_completion
+from cllm.server.errors import bad_request
+from cllm.server.metrics import CONTENT_TYPE
+from cllm.server.protocol import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+)
+from cllm.server.state import Phase, get_state
+from cllm.server.tokens import encode_prompt
+
+
+def _as_dict(obj: Any) -> Any:
+    return dataclasses.asdict(obj) if dataclasses.is_dataclass(obj) and not isinstance(obj, type) else obj
+
+
+async def list_models(request: Request) -> ModelList:
+    model = get_state(request).require_loaded()
+    card = ModelCard(id=model.name, created=get_state(request).started_at, max_model_len=model.max_model_len)
+    return ModelList(data=[card])
+
+
+async def get_model(model_id: str, request: Request) -> ModelCard:
+    state = get_state(request)
+    model = state.require_loaded()
+    state.check_model(model_id, param="model_id")
+    return ModelCard(id=model.name, created=state.started_at, max_model_len=model.max_model_len)
+
+
+async def engine_state(request: Request) -> dict[str, Any]:
+    """Live scheduler state: every running request (id, slot, tokens, age) and the engine stats."""
+    state = get_state(request)
+    model = state.require_loaded()
+    running = [_as_dict(r) for r in model.engine.running_requests()]
+    stats = model.engine.stats()
+    stats_dict = _as_dict(stats)
+    if isinstance(stats_dict, dict) and hasattr(stats, "prefix_cache_hit_rate"):
+        stats_dict["prefix_cache_hit_rate"] = stats.prefix_cache_hit_rate  # a property, not a field
+    return {"model": model.name, "phase": state.phase.value, "stats": stats_dict, "running": running}
+
+
+async def health(request: Request) -> JSONResponse:
+    state = get_state(request)
+    if state.phase is Phase.READY:
+        return JSONResponse({"status": "ok"})
+    body: dict[str, Any] = {"status": state.phase.value}
+    if state.load_error:
+        body["error"] = state.load_error
+    return JSONResponse(body, status_code=503)
+
+
+async def metrics(request: Request) -> Response:
+    return Response(get_state(request).metrics.render(), media_type=CONTENT_TYPE)
+
+
+async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
+    state = get_state(request)
+    model = state.require_loaded()
+    state.check_model(body.model)
+    if body.messages is not None:
+        text = render_chat(model.engine, body.messages, body.add_generation_prompt is not False)
+    else:
+        text = body.prompt or ""
+    try:
+        tokens = encode_prompt(model.engine.tokenizer, text, add_special=body.add_special_tokens is not False)
+    except (ValueError, TypeError) as exc:
+        raise bad_request(f"cannot tokenize: {exc}", param="prompt") from None
+    return TokenizeResponse(tokens=tokens, count=len(tokens), max_model_len=model.max_model_len)
+
+
+async def detokenize(body: DetokenizeRequest, request: Request) -> DetokenizeResponse:
+    state = get_state(request)
+    model = state.require_loaded()
+    state.check_model(body.model)
+    vocab = model.limits.vocab_size
+    bad = [t for t in body.tokens if not 0 <= t < vocab]
+    if bad:
+        raise bad_request(f"invalid token ids {bad[:8]}: must be in [0, {vocab})", param="tokens")
+    return DetokenizeResponse(prompt=model.engine.tokenizer.decode(body.tokens))
+
+
+def _openai_router(api_key: str | None) -> APIRouter:
+    router = APIRouter(prefix="/v1", dependencies=[Depends(api_key_check(api_key))])
+    router.add_api_route("/completions", create_completion, methods=["POST"], response_model=None)
+    router.add_api_route("/chat/completions", create_chat_completion, methods=["POST"], response_model=None)
+    router.add_api_route("/models", list_models, methods=["GET"])
+    router.add_api_route("/models/{model_id:path}", get_model, methods=["GET"])
+    router.add_api_route("/engine", engine_state, methods=["GET"])
+    return router
+
+
+def _ops_router() -> APIRouter:
+    router = APIRouter()
+    router.add_api_route("/health", health, methods=["GET"], response_model=None)
+    router.add_api_route("/metrics", metrics, methods=["GET"], response_model=None)
+    router.add_api_route("/tokenize", tokenize, methods=["POST"])
+    router.add_api_route("/detokenize", detokenize, methods=["POST"])
+    return router
+
+
+def routers(api_key: str | None) -> list[APIRouter]:
+    """All routers of the app."""
+    return [_openai_router(api_key), _ops_router()]
+
+
+# Routes whose path is a fixed string, for the metrics' route label (anything else is "other").
+KNOWN_PATHS = frozenset({
+    "/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/engine",
+    "/health", "/metrics", "/tokenize", "/detokenize",
+})

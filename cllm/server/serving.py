@@ -1,0 +1,129 @@
+"""What completions and chat share: running a GenerationStream into a JSON or SSE response."""
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncGenerator, Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from pydantic import BaseModel
+from starlette.requests import Request
+from starlette.responses import Response
+
+from cllm.outputs import RequestOutput
+from cllm.server.access_log import CLIENT_CLOSED
+from cllm.server.disconnect import ClientDisconnected, unless_disconnected
+from cllm.server.errors import APIError, finish_error
+from cllm.server.generation import GenerationStream, request_status
+from cllm.server.protocol import PromptTokensDetails, UsageInfo
+from cllm.server.streaming import DONE, EventStreamResponse, sse_json
+
+log = logging.getLogger("cllm.server")
+
+
+@dataclass(slots=True, frozen=True)
+class ResponseMeta:
+    """Fields every response and chunk of one request repeats."""
+
+    id: str  # cmpl-… / chatcmpl-…
+    created: int  # unix seconds
+    model: str  # served model name
+
+
+class StreamFormatter(Protocol):
+    """Turns engine outputs into one endpoint's SSE chunks."""
+
+    def prelude(self) -> Iterable[bytes]:
+        """Chunks sent before any token (chat's role chunks)."""
+
+    def chunks(self, prompt_index: int, out: RequestOutput) -> Iterable[bytes]:
+        """Chunks for the news in ``out`` (normal finish reasons included, abnormal ones not)."""
+
+    def usage_chunk(self, usage: UsageInfo) -> bytes:
+        """The final ``choices: []`` chunk carrying usage."""
+
+
+def total_usage(finals: Sequence[RequestOutput]) -> UsageInfo:
+    """Usage summed over the prompts of a request."""
+    prompt = sum(f.usage.prompt_tokens for f in finals)
+    completion = sum(f.usage.completion_tokens for f in finals)
+    cached = sum(f.usage.cached_tokens for f in finals)
+    return UsageInfo(
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        total_tokens=prompt + completion,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+    )
+
+
+def output_error(out: RequestOutput) -> APIError | None:
+    """The error a finished engine request ends the HTTP request with (timeout, abort, failure)."""
+    return finish_error(request_status(out), out.error) if out.finished else None
+
+
+async def sse_events(
+    stream: GenerationStream, formatter: StreamFormatter, *, include_usage: bool
+) -> AsyncGenerator[bytes, None]:
+    """The SSE body: chunks, optional usage chunk, ``[DONE]``; an error event replaces the rest on failure."""
+    try:
+        try:
+            for chunk in formatter.prelude():
+                yield chunk
+            failed = False
+            async for index, out in stream:
+                for chunk in formatter.chunks(index, out):
+                    yield chunk
+                error = output_error(out)
+                if error is not None:
+                    yield sse_json(error.body())
+                    failed = True
+                    break
+            if include_usage and not failed:
+                yield formatter.usage_chunk(total_usage([f for f in stream.finals if f is not None]))
+        except APIError as exc:
+            yield sse_json(exc.body())
+        except Exception as exc:  # a bug: the headers are out, so tell the client in-band and end cleanly
+            log.error("stream failed", exc_info=exc)
+            yield sse_json(APIError(500, f"internal error: {type(exc).__name__}", code="internal_error").body())
+        yield DONE
+    finally:
+        await stream.close()
+
+
+def _first_error(finals: Sequence[RequestOutput]) -> APIError | None:
+    for final in finals:
+        error = output_error(final)
+        if error is not None:
+            return error
+    return None
+
+
+async def respond(
+    request: Request,
+    stream: GenerationStream,
+    *,
+    meta: ResponseMeta,
+    wants_stream: bool,
+    formatter: Callable[[], StreamFormatter],
+    build: Callable[[list[RequestOutput]], BaseModel],
+    include_usage: bool,
+) -> Response:
+    """Admit the request, then stream it or collect it into one body; the client leaving aborts it."""
+    handed_over = False
+    try:
+        await unless_disconnected(request, stream.start())
+        if wants_stream:
+            body = sse_events(stream, formatter(), include_usage=include_usage)
+            handed_over = True  # the response's body generator closes the stream now
+            return EventStreamResponse(body, headers={"X-Request-Id": meta.id})
+        finals = await unless_disconnected(request, stream.collect())
+        error = _first_error(finals)
+        if error is not None:
+            raise error
+        body_json = build(finals).model_dump_json()
+        return Response(body_json, media_type="application/json", headers={"X-Request-Id": meta.id})
+    except ClientDisconnected:
+        return Response(status_code=CLIENT_CLOSED)  # nobody will read it; it marks the access log
+    finally:
+        if not handed_over:
+            await stream.close()
