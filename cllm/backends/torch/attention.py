@@ -1,0 +1,236 @@
+"""Attention over the paged KV cache for one flat varlen batch.
+
+A step mixes decode tokens (one per sequence) and prefill chunks (many tokens
+of one sequence, possibly after a cached prefix). The per-step metadata is built
+once (:func:`build_attention_batch`) and shared by every layer:
+
+- SDPA path (CPU, and CUDA without flash-attn): all one-token sequences form one
+  padded group: their K/V are gathered block-wise by block table into
+  ``[B, kv_heads, max_len, dim]`` with a length mask, and one attention call
+  serves them all. Each multi-token chunk gets its own call with a causal
+  position mask: over its fresh K/V when nothing precedes it, else over its
+  gathered blocks. Grouped-query heads are folded into the query-length axis
+  (``[B, kv_heads, group * q_len, dim]``) so K/V are never repeated per head.
+- flash-attn path (CUDA, flash_attn installed, block_size a multiple of 256 as
+  its paged kernel requires): one ``flash_attn_varlen_func`` call over the
+  whole batch, reading K/V straight from the block pool.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from cllm.backends.torch.kv_cache import PagedKVCache
+
+try:  # optional CUDA kernels
+    from flash_attn import flash_attn_varlen_func
+except ImportError:  # the SDPA path serves every device
+    flash_attn_varlen_func = None
+
+FLASH_PAGE_MULTIPLE = 256  # flash-attn's paged KV needs page sizes divisible by this
+# On CPU, torch's flash-SDPA kernel is tuned for long query blocks; for a decode
+# group (3 folded query rows per kv head) plain matmul + softmax beat it once the
+# gathered keys are this many or more (B * max_len), and lose below (notes/torch.md).
+MATMUL_DECODE_MIN_KEYS = 512
+
+
+@dataclass(slots=True, frozen=True)
+class SeqChunk:
+    """One sequence's share of a step, as the backend hands it over."""
+
+    row_start: int  # first flat row of the sequence's tokens in this step
+    num_tokens: int  # its tokens this step
+    start_pos: int  # position of its first token (= its tokens already in KV)
+    block_ids: Sequence[int]  # its block table (covers start_pos + num_tokens tokens)
+
+
+@dataclass(slots=True)
+class DecodeGroup:
+    """All one-token sequences of a step, attended in one padded call."""
+
+    rows: torch.Tensor | None  # flat rows of their tokens; None = the whole step is this group (rows 0..B-1)
+    num_seqs: int  # B
+    gather_index: torch.Tensor  # (block, head) index of their padded block tables, [B * kv_heads * max_blocks]
+    mask: torch.Tensor  # [B, 1, 1, max_blocks * block_size] True where a key may be attended
+
+
+@dataclass(slots=True)
+class PrefillChunk:
+    """One multi-token chunk, attended on its own."""
+
+    row_start: int  # first flat row
+    row_end: int  # one past its last flat row
+    gather_index: torch.Tensor | None  # (block, head) index of its whole context; None = no earlier context (fresh K/V)
+    mask: torch.Tensor  # [1, 1, group * q_len, keys] True where a key's position <= the query's
+
+
+@dataclass(slots=True)
+class FlashBatch:
+    """Arguments of one flash_attn_varlen_func call over the whole step."""
+
+    cu_seqlens_q: torch.Tensor  # [B + 1] int32 query offsets
+    cu_seqlens_k: torch.Tensor  # [B + 1] int32 context offsets (cached + new tokens)
+    max_seqlen_q: int  # longest chunk
+    max_seqlen_k: int  # longest context
+    block_tables: torch.Tensor  # [B, max_blocks] int32
+
+
+@dataclass(slots=True)
+class AttentionBatch:
+    """Everything attention needs for one step, shared by all layers."""
+
+    write_rows: torch.Tensor  # [T * kv_heads] cache rows of the new tokens' K/V (PagedKVCache.write_rows)
+    decode: DecodeGroup | None  # the one-token sequences (SDPA path)
+    prefills: list[PrefillChunk]  # the multi-token chunks (SDPA path)
+    flash: FlashBatch | None  # set when the flash-attn path serves the whole step
+
+
+def flash_usable(device: torch.device, block_size: int) -> bool:
+    """Whether the flash-attn paged kernel can serve this cache."""
+    return flash_attn_varlen_func is not None and device.type == "cuda" and block_size % FLASH_PAGE_MULTIPLE == 0
+
+
+def slot_mapping(chunks: Sequence[SeqChunk], block_size: int) -> np.ndarray:
+    """Flat cache slot (block_id * block_size + offset) of every new token, in row order."""
+    parts = []
+    for c in chunks:
+        pos = np.arange(c.start_pos, c.start_pos + c.num_tokens)
+        table = np.asarray(c.block_ids, dtype=np.int64)
+        parts.append(table[pos // block_size] * block_size + pos % block_size)
+    return np.concatenate(parts)
+
+
+def build_attention_batch(
+    chunks: Sequence[SeqChunk], cache: PagedKVCache, *, q_per_kv: int, use_flash: bool
+) -> AttentionBatch:
+    """Per-step attention metadata (one host-to-device copy per tensor, reused by every layer)."""
+    device = cache.k.device
+    block_size = cache.shape.block_size
+    rows = torch.from_numpy(cache.write_rows(slot_mapping(chunks, block_size))).to(device)
+    if use_flash:
+        return AttentionBatch(rows, None, [], _flash_batch(chunks, block_size, device))
+    single = [c for c in chunks if c.num_tokens == 1]
+    decode = _decode_group(single, cache, whole_batch=len(single) == len(chunks)) if single else None
+    prefills = [_prefill_chunk(c, cache, q_per_kv) for c in chunks if c.num_tokens > 1]
+    return AttentionBatch(rows, decode, prefills, None)
+
+
+def _padded_tables(chunks: Sequence[SeqChunk], num_blocks: Sequence[int]) -> np.ndarray:
+    tables = np.zeros((len(chunks), max(num_blocks)), dtype=np.int64)
+    for i, (c, n) in enumerate(zip(chunks, num_blocks)):
+        tables[i, :n] = c.block_ids[:n]
+    return tables
+
+
+def _decode_group(single: Sequence[SeqChunk], cache: PagedKVCache, *, whole_batch: bool) -> DecodeGroup:
+    device, block_size = cache.k.device, cache.shape.block_size
+    context = np.array([c.start_pos + 1 for c in single])
+    tables = _padded_tables(single, [-(-n // block_size) for n in context])  # padding: block 0, masked out
+    keys = np.arange(tables.shape[1] * block_size)
+    mask = (keys[None, :] < context[:, None]).reshape(len(single), 1, 1, -1)
+    # A pure decode step has one row per sequence, in order: no gather/scatter of rows needed.
+    rows = None if whole_batch else torch.tensor([c.row_start for c in single], device=device)
+    index = torch.from_numpy(cache.gather_index(tables)).to(device)
+    return DecodeGroup(rows, len(single), index, torch.from_numpy(mask).to(device))
+
+
+def _prefill_chunk(c: SeqChunk, cache: PagedKVCache, q_per_kv: int) -> PrefillChunk:
+    device, block_size = cache.k.device, cache.shape.block_size
+    context = c.start_pos + c.num_tokens
+    q_pos = np.arange(c.start_pos, context)
+    if c.start_pos == 0:  # nothing cached before it: attend over its own fresh K/V
+        index, keys = None, np.arange(c.num_tokens)
+    else:
+        nb = -(-context // block_size)
+        table = np.asarray(c.block_ids[:nb], dtype=np.int64)[None, :]
+        index, keys = torch.from_numpy(cache.gather_index(table)).to(device), np.arange(nb * block_size)
+    # Folded GQA: query rows are (head-in-group, token), so the token mask repeats per head.
+    mask = np.tile(keys[None, :] <= q_pos[:, None], (q_per_kv, 1))[None, None]
+    return PrefillChunk(c.row_start, c.row_start + c.num_tokens, index, torch.from_numpy(mask).to(device))
+
+
+def _flash_batch(chunks: Sequence[SeqChunk], block_size: int, device: torch.device) -> FlashBatch:
+    q_lens = np.array([c.num_tokens for c in chunks])
+    k_lens = np.array([c.start_pos + c.num_tokens for c in chunks])
+    tables = _padded_tables(chunks, [-(-n // block_size) for n in k_lens])
+
+    def cumulative(lens: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)).to(device)
+
+    return FlashBatch(
+        cumulative(q_lens), cumulative(k_lens), int(q_lens.max()), int(k_lens.max()),
+        torch.from_numpy(tables.astype(np.int32)).to(device),
+    )
+
+
+def paged_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: PagedKVCache, layer: int, batch: AttentionBatch
+) -> torch.Tensor:
+    """Store the step's new K/V, then attend each token over its sequence's context.
+
+    q: ``[T, heads, dim]``; k, v: ``[T, kv_heads, dim]``. Returns ``[T, heads * dim]``.
+    """
+    cache.write(layer, batch.write_rows, k, v)
+    if batch.flash is not None:
+        return _flash_attention(q, cache, layer, batch.flash)
+    if batch.decode is not None and batch.decode.rows is None:
+        return _decode_attention(q, cache, layer, batch.decode)  # a pure decode step: no scatter
+    out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
+    if batch.decode is not None:
+        out.index_copy_(0, batch.decode.rows, _decode_attention(q, cache, layer, batch.decode))
+    for chunk in batch.prefills:
+        _prefill_attention(q, k, v, cache, layer, chunk, out)
+    return out
+
+
+def _decode_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, group: DecodeGroup) -> torch.Tensor:
+    """Attention of the one-token sequences, ``[B, heads * dim]`` in group order."""
+    n, kv_heads, dim = group.num_seqs, cache.shape.num_kv_heads, cache.shape.head_dim
+    rows = q[:n] if group.rows is None else q.index_select(0, group.rows)
+    # [B, heads, dim] -> [B, kv_heads, group, dim]: a kv head's query heads are adjacent.
+    rows = rows.view(n, kv_heads, -1, dim)
+    keys, values = cache.gather(layer, group.gather_index, n)
+    if q.device.type == "cpu" and n * keys.shape[2] >= MATMUL_DECODE_MIN_KEYS:
+        o = _matmul_attention(rows, keys, values, group.mask)
+    else:
+        o = F.scaled_dot_product_attention(rows, keys, values, attn_mask=group.mask)
+    return o.reshape(n, -1)
+
+
+def _matmul_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """softmax(q k^T / sqrt(d)) v with the softmax in float32 (as transformers' eager attention)."""
+    scores = torch.matmul(q, k.transpose(-1, -2)).float().mul_(q.shape[-1] ** -0.5)
+    probs = scores.masked_fill_(~mask, float("-inf")).softmax(dim=-1).to(v.dtype)
+    return torch.matmul(probs, v)
+
+
+def _prefill_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: PagedKVCache, layer: int, chunk: PrefillChunk,
+    out: torch.Tensor,
+) -> None:
+    n = chunk.row_end - chunk.row_start
+    kv_heads, dim = cache.shape.num_kv_heads, cache.shape.head_dim
+    # [n, heads, dim] -> [1, kv_heads, group * n, dim] with rows ordered (head-in-group, token).
+    rows = q[chunk.row_start : chunk.row_end].view(n, kv_heads, -1, dim).permute(1, 2, 0, 3).reshape(1, kv_heads, -1, dim)
+    if chunk.gather_index is None:
+        keys = k[chunk.row_start : chunk.row_end].transpose(0, 1)[None]
+        values = v[chunk.row_start : chunk.row_end].transpose(0, 1)[None]
+    else:
+        keys, values = cache.gather(layer, chunk.gather_index, 1)
+    o = F.scaled_dot_product_attention(rows, keys, values, attn_mask=chunk.mask)
+    # [1, kv_heads, group * n, dim] -> [n, heads * dim]
+    out[chunk.row_start : chunk.row_end] = o.view(kv_heads, -1, n, dim).permute(2, 0, 1, 3).reshape(n, -1)
+
+
+def _flash_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, fb: FlashBatch) -> torch.Tensor:
+    k_pool, v_pool = cache.layer_views(layer)
+    # causal=True aligns the mask bottom-right, so a chunk's queries see its cached prefix.
+    o = flash_attn_varlen_func(
+        q, k_pool, v_pool, cu_seqlens_q=fb.cu_seqlens_q, cu_seqlens_k=fb.cu_seqlens_k,
+        max_seqlen_q=fb.max_seqlen_q, max_seqlen_k=fb.max_seqlen_k, causal=True, block_table=fb.block_tables,
+    )
+    return o.reshape(q.shape[0], -1)

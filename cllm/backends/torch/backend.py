@@ -1,0 +1,268 @@
+"""TorchBackend: our Llama-family decoder over a paged, prefix-cached KV pool.
+
+The backend turns the scheduler's flat per-token arrays into per-sequence
+chunks, checks them against what each sequence has in KV, runs one batched
+forward and then records the new tokens (registering blocks that became full
+in the prefix cache). Block bookkeeping lives in :class:`BlockManager`, the
+tensors in :class:`PagedKVCache`, the math in :class:`CausalLM`.
+"""
+from __future__ import annotations
+
+import io
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from cllm.backends.base import Admission, Backend, BackendCapacity, BackendError, KVCacheFullError, Tokenizer
+from cllm.backends.torch.attention import SeqChunk, build_attention_batch, flash_usable, slot_mapping
+from cllm.backends.torch.block_manager import BlockManager
+from cllm.backends.torch.device import resolve_device, resolve_dtype
+from cllm.backends.torch.kv_cache import KVCacheShape, PagedKVCache
+from cllm.backends.torch.loader import LoadedModel, ModelSpec, load_model
+from cllm.backends.torch.model import CausalLM
+from cllm.backends.torch.tokenizer import HFTokenizer
+from cllm.config import CllmConfig
+from cllm.model_path import resolve_model_path
+
+
+@dataclass(slots=True, frozen=True)
+class StepChunk:
+    """One sequence's contiguous run of tokens in a forward_batch call."""
+
+    seq_id: str  # the sequence
+    row_start: int  # first flat row
+    row_end: int  # one past the last flat row
+    start_pos: int  # position of its first token
+
+
+class TorchBackend(Backend):
+    """PyTorch runtime: CUDA (bf16) when present, else CPU; paged KV with prefix caching."""
+
+    name = "torch"
+    supports_prefix_cache = True
+    supports_state_swap = True
+
+    def __init__(self, config: CllmConfig) -> None:
+        self.device = resolve_device(config.torch.device)
+        self.dtype = resolve_dtype(config.torch.dtype, self.device)
+        if self.device.type == "cpu":
+            torch.set_num_threads(config.model.n_threads or _usable_cores())
+        loaded = load_model(resolve_model_path(config.model.model))
+        self.spec = loaded.spec
+        self._tokenizer = _load_tokenizer(loaded)
+        self.model = CausalLM(
+            loaded.spec, loaded.state_dict, dtype=self.dtype, device=self.device, compiled=config.torch.torch_compile
+        )
+        del loaded
+        block_size = config.torch.block_size
+        num_blocks = -(-config.model.n_ctx // block_size)
+        self.blocks = BlockManager(num_blocks=num_blocks, block_size=block_size)
+        self._use_flash = flash_usable(self.device, block_size)
+        self.kv = PagedKVCache(
+            KVCacheShape(self.spec.num_layers, num_blocks, block_size, self.spec.num_kv_heads, self.spec.head_dim),
+            dtype=self.dtype, device=self.device, head_major=not self._use_flash,
+        )
+        self._capacity = BackendCapacity(
+            max_num_seqs=config.model.n_seq_max,
+            max_batch_tokens=config.model.n_batch,
+            max_model_len=_max_model_len(self.spec, config.model.n_ctx),
+            kv_tokens=num_blocks * block_size,
+        )
+
+    # ----- contract: fixed facts -----------------------------------------------------------
+
+    @property
+    def capacity(self) -> BackendCapacity:
+        return self._capacity
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        if self._tokenizer is None:
+            raise RuntimeError("this model directory ships no tokenizer; add tokenizer files to it to generate from text")
+        return self._tokenizer
+
+    # ----- contract: KV room ---------------------------------------------------------------
+
+    def admit(self, sequence_id: str, token_ids: Sequence[int]) -> Admission | None:
+        if len(self.blocks) >= self._capacity.max_num_seqs:
+            return None
+        return Admission(num_cached_tokens=self.blocks.admit(sequence_id, token_ids))
+
+    def reserve(self, sequence_id: str, num_tokens: int) -> bool:
+        return self.blocks.reserve(sequence_id, num_tokens)
+
+    def release(self, sequence_id: str, *, keep_cache: bool = True) -> None:
+        self.blocks.release(sequence_id, keep_cache=keep_cache)
+
+    def kv_usage(self) -> float:
+        return self.blocks.num_used_blocks / self.blocks.num_blocks
+
+    def num_free_slots(self) -> int:
+        return self._capacity.max_num_seqs - len(self.blocks)
+
+    def prefix_cache_stats(self) -> tuple[int, int]:
+        return (self.blocks.queried_tokens, self.blocks.hit_tokens)
+
+    # ----- contract: forward ---------------------------------------------------------------
+
+    def forward_batch(
+        self,
+        flat_ids: Sequence[int],
+        positions: Sequence[int],
+        sequence_ids: Sequence[str],
+        *,
+        logits_for: Sequence[str] | None = None,
+    ) -> np.ndarray:
+        """See :meth:`Backend.forward_batch`. Rows follow ``logits_for`` (default: first-appearance order)."""
+        ids = np.asarray(flat_ids, dtype=np.int64)
+        pos = np.asarray(positions, dtype=np.int64)
+        chunks = self._split(ids, pos, sequence_ids)
+        wanted = [c.seq_id for c in chunks] if logits_for is None else list(logits_for)
+        rows = self._logit_rows(chunks, wanted)
+        self._ensure_room(chunks)
+        try:
+            logits = self._run(ids, pos, chunks, rows)
+        except Exception as err:  # the engine fails these sequences and lives on
+            raise BackendError(f"torch forward failed: {type(err).__name__}: {err}", [c.seq_id for c in chunks]) from err
+        for c in chunks:
+            self.blocks.record_computed(c.seq_id, c.start_pos, ids[c.row_start : c.row_end].tolist())
+        return logits
+
+    def _split(self, ids: np.ndarray, pos: np.ndarray, sequence_ids: Sequence[str]) -> list[StepChunk]:
+        """Contiguous per-sequence runs, checked against each sequence's KV state."""
+        if not (len(ids) == len(pos) == len(sequence_ids)) or len(ids) == 0:
+            raise ValueError(
+                f"flat_ids, positions and sequence_ids must be equally long and non-empty "
+                f"(got {len(ids)}, {len(pos)}, {len(sequence_ids)})"
+            )
+        chunks: list[StepChunk] = []
+        start = 0
+        for row in range(1, len(sequence_ids) + 1):
+            if row == len(sequence_ids) or sequence_ids[row] != sequence_ids[start]:
+                chunks.append(self._check_chunk(sequence_ids[start], start, row, pos))
+                start = row
+        if len({c.seq_id for c in chunks}) != len(chunks):
+            raise BackendError("each sequence's tokens must be contiguous in the batch", [c.seq_id for c in chunks])
+        return chunks
+
+    def _check_chunk(self, seq_id: str, row_start: int, row_end: int, pos: np.ndarray) -> StepChunk:
+        if seq_id not in self.blocks:
+            raise BackendError(f"sequence {seq_id!r} was not admitted", [seq_id])
+        first = self.blocks.sequence(seq_id).num_computed
+        expected = np.arange(first, first + row_end - row_start)
+        if not np.array_equal(pos[row_start:row_end], expected):
+            raise BackendError(
+                f"sequence {seq_id!r}: positions must continue from its {first} tokens in KV "
+                f"(got {pos[row_start:row_end][:4].tolist()}...)",
+                [seq_id],
+            )
+        return StepChunk(seq_id, row_start, row_end, first)
+
+    def _logit_rows(self, chunks: list[StepChunk], wanted: list[str]) -> list[int]:
+        last_row = {c.seq_id: c.row_end - 1 for c in chunks}
+        missing = [s for s in wanted if s not in last_row]
+        if missing:
+            raise ValueError(f"logits_for names sequences with no tokens in this batch: {missing}")
+        return [last_row[s] for s in wanted]
+
+    def _ensure_room(self, chunks: list[StepChunk]) -> None:
+        """Grow block tables the scheduler did not reserve; KVCacheFullError if the pool is out."""
+        for c in chunks:
+            if not self.blocks.reserve(c.seq_id, c.start_pos + c.row_end - c.row_start):
+                raise KVCacheFullError(f"KV cache full: no block free for sequence {c.seq_id!r}", [c.seq_id])
+
+    @torch.inference_mode()
+    def _run(self, ids: np.ndarray, pos: np.ndarray, chunks: list[StepChunk], rows: list[int]) -> np.ndarray:
+        seq_chunks = [
+            SeqChunk(c.row_start, c.row_end - c.row_start, c.start_pos, self.blocks.sequence(c.seq_id).block_ids)
+            for c in chunks
+        ]
+        batch = build_attention_batch(
+            seq_chunks, self.kv, q_per_kv=self.spec.num_heads // self.spec.num_kv_heads, use_flash=self._use_flash
+        )
+        logits = self.model(
+            self._to_device(ids), self._to_device(pos), self.kv, batch, self._to_device(np.asarray(rows, dtype=np.int64))
+        )
+        return logits.cpu().numpy()
+
+    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(array).to(self.device)
+
+    # ----- optional: state swap ------------------------------------------------------------
+
+    def save_state(self, sequence_id: str) -> bytes:
+        """The sequence's computed tokens and their K/V (all layers), serialised."""
+        seq = self.blocks.sequence(sequence_id)
+        rows = self._cache_rows(seq.block_ids, 0, seq.num_computed)
+        keys, values = zip(*(self.kv.read(layer, rows) for layer in range(self.spec.num_layers)))
+        buffer = io.BytesIO()
+        torch.save(
+            {"tokens": seq.token_ids[: seq.num_computed], "k": torch.stack(keys).cpu(), "v": torch.stack(values).cpu()},
+            buffer,
+        )
+        return buffer.getvalue()
+
+    def restore_state(self, sequence_id: str, state: bytes, token_ids: Sequence[int] = ()) -> bool:
+        """Load a save_state snapshot into the admitted sequence; False if its blocks do not fit.
+
+        Afterwards the sequence holds exactly the snapshot's tokens in KV, even
+        if its admission matched a longer cached prefix (that surplus is let go,
+        since the scheduler continues from the snapshot's length).
+        """
+        snap = torch.load(io.BytesIO(state), map_location="cpu", weights_only=True)
+        tokens: list[int] = snap["tokens"]
+        if token_ids and list(token_ids) != tokens:
+            raise ValueError(f"sequence {sequence_id!r}: token_ids differ from the snapshot's tokens")
+        self.blocks.truncate(sequence_id, len(tokens))
+        if not self.blocks.reserve(sequence_id, len(tokens)):
+            return False
+        seq = self.blocks.sequence(sequence_id)
+        start = seq.num_computed  # blocks matched in the prefix cache already hold these
+        if len(tokens) > start:
+            rows = self._cache_rows(seq.block_ids, start, len(tokens))
+            k, v = snap["k"][:, start:].to(self.device, self.dtype), snap["v"][:, start:].to(self.device, self.dtype)
+            for layer in range(self.spec.num_layers):
+                self.kv.write(layer, rows, k[layer], v[layer])
+        self.blocks.record_computed(sequence_id, 0, tokens)
+        return True
+
+    def _cache_rows(self, block_ids: Sequence[int], start: int, end: int) -> torch.Tensor:
+        """Cache rows (every kv head) of positions start..end-1 of a sequence with these blocks."""
+        chunk = SeqChunk(0, end - start, start, block_ids)
+        return self._to_device(self.kv.write_rows(slot_mapping([chunk], self.blocks.block_size)))
+
+    def close(self) -> None:
+        """Drop the weights and KV pool (the backend is unusable afterwards). Idempotent."""
+        self.__dict__.pop("model", None)
+        self.__dict__.pop("kv", None)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def _load_tokenizer(loaded: LoadedModel) -> HFTokenizer | None:
+    """The model's tokenizer; None for a bare weights directory (forward_batch still works)."""
+    directory = loaded.tokenizer_dir
+    has_files = loaded.gguf_file is not None or any(
+        (directory / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+    )
+    if not has_files:
+        return None
+    return HFTokenizer.load(directory, gguf_file=loaded.gguf_file, vocab_size=loaded.spec.vocab_size, extra_eos_ids=loaded.eos_token_ids)
+
+
+def _usable_cores() -> int:
+    """Cores this process may run on (the affinity mask, not the machine's total)."""
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return os.cpu_count() or 1
+
+
+def _max_model_len(spec: ModelSpec, n_ctx: int) -> int:
+    """Longest sequence: KV room, trained context, and the sliding window (not implemented, so it caps)."""
+    limits = [n_ctx, spec.max_position_embeddings]
+    if spec.sliding_window:
+        limits.append(spec.sliding_window)
+    return min(limits)

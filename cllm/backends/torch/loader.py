@@ -1,0 +1,169 @@
+"""Weights and hyper-parameters of a Llama-family decoder, from an HF directory or a GGUF file.
+
+HF directory: ``config.json`` plus ``*.safetensors`` (or ``pytorch_model*.bin``).
+GGUF: transformers' GGUF loader dequantizes it into a ``*ForCausalLM`` whose
+config and state dict we take over; the llama.cpp Q/K row permutation is undone
+there, so the same file runs on both backends.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass(slots=True, frozen=True)
+class RopeSpec:
+    """Rotary embedding parameters."""
+
+    theta: float  # base frequency
+    rope_type: str  # one of SUPPORTED_ROPE_TYPES
+    factor: float = 1.0  # linear / llama3 scaling factor
+    low_freq_factor: float = 1.0  # llama3: wavelengths above original_max / this are fully scaled
+    high_freq_factor: float = 4.0  # llama3: wavelengths below original_max / this are kept
+    original_max_position: int = 8192  # llama3: context the model was pretrained on
+
+
+@dataclass(slots=True, frozen=True)
+class ModelSpec:
+    """The hyper-parameters our decoder needs."""
+
+    architecture: str  # HF model_type, one of SUPPORTED_ARCHITECTURES
+    vocab_size: int  # embedding rows / logits per token
+    hidden_size: int  # residual width
+    intermediate_size: int  # MLP width
+    num_layers: int  # decoder layers
+    num_heads: int  # query heads
+    num_kv_heads: int  # key/value heads (grouped-query attention)
+    head_dim: int  # per-head width (Qwen3 sets it independently of hidden_size)
+    rms_norm_eps: float  # epsilon of every RMSNorm
+    rope: RopeSpec  # rotary embedding
+    max_position_embeddings: int  # trained context length
+    qk_norm: bool  # Qwen3: RMSNorm on each head's q and k before rope
+    tie_word_embeddings: bool  # LM head shares the embedding matrix
+    sliding_window: int | None  # attention window, if the model uses one
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    """What the loader hands the backend."""
+
+    spec: ModelSpec  # hyper-parameters
+    state_dict: dict[str, torch.Tensor]  # HF parameter names -> float tensors
+    tokenizer_dir: Path  # where AutoTokenizer should look
+    gguf_file: str | None  # GGUF file name inside tokenizer_dir, if loaded from GGUF
+    eos_token_ids: tuple[int, ...] = ()  # end tokens named by the model's (generation) config
+
+
+def check_architecture(arch: str | None) -> str:
+    """``arch`` if the torch backend runs it, else ValueError naming the supported ones."""
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(
+            f"the torch backend does not support model architecture {arch!r}; "
+            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)} (Llama-family decoders)"
+        )
+    return arch
+
+
+def spec_from_config(config: Any) -> ModelSpec:
+    """Our spec from a transformers PretrainedConfig; ValueError for other architectures."""
+    arch = check_architecture(getattr(config, "model_type", None))
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    window = getattr(config, "sliding_window", None)
+    if not getattr(config, "use_sliding_window", True):  # Qwen2/3 carry a window they do not use
+        window = None
+    return ModelSpec(
+        architecture=arch,
+        vocab_size=config.vocab_size,
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_layers=config.num_hidden_layers,
+        num_heads=heads,
+        num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+        head_dim=head_dim,
+        rms_norm_eps=config.rms_norm_eps,
+        rope=_rope_spec(config),
+        max_position_embeddings=config.max_position_embeddings,
+        qk_norm=arch == "qwen3",
+        tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+        sliding_window=window,
+    )
+
+
+def _rope_spec(config: Any) -> RopeSpec:
+    # transformers >= 5 folds rope_theta and rope_scaling into rope_parameters.
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    if not params:
+        params = dict(getattr(config, "rope_scaling", None) or {})
+        params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+    rope_type = params.get("rope_type") or params.get("type") or "default"
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"rope type {rope_type!r} is not supported by the torch backend; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+    return RopeSpec(
+        theta=float(params.get("rope_theta", 10000.0)),
+        rope_type=rope_type,
+        factor=float(params.get("factor", 1.0)),
+        low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+        original_max_position=int(params.get("original_max_position_embeddings", 8192)),
+    )
+
+
+def load_model(path: Path) -> LoadedModel:
+    """Load a GGUF file or an HF model directory (dequantized to float32 tensors)."""
+    if path.is_dir():
+        return _load_hf_dir(path)
+    if path.suffix.lower() == ".gguf":
+        return _load_gguf(path)
+    raise ValueError(f"model path {str(path)!r} is neither a .gguf file nor a Hugging Face model directory")
+
+
+def _load_hf_dir(path: Path) -> LoadedModel:
+    from transformers import AutoConfig
+
+    if not (path / "config.json").is_file():
+        raise ValueError(f"model directory {str(path)!r} has no config.json")
+    # Fail on the architecture before transformers tries to resolve its config class.
+    check_architecture(json.loads((path / "config.json").read_text()).get("model_type"))
+    config = AutoConfig.from_pretrained(path)
+    eos = _as_ids(getattr(config, "eos_token_id", None))
+    generation = path / "generation_config.json"
+    if generation.is_file():
+        eos += _as_ids(json.loads(generation.read_text()).get("eos_token_id"))
+    return LoadedModel(spec_from_config(config), _read_tensors(path), path, None, eos)
+
+
+def _as_ids(value: int | list[int] | None) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    return tuple(value) if isinstance(value, (list, tuple)) else (int(value),)
+
+
+def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
+    files = sorted(path.glob("*.safetensors"))
+    if files:
+        from safetensors.torch import load_file
+
+        return {k: v for f in files for k, v in load_file(str(f)).items()}
+    files = sorted(path.glob("pytorch_model*.bin"))
+    if not files:
+        raise ValueError(f"model directory {str(path)!r} has no *.safetensors or pytorch_model*.bin weights")
+    return {k: v for f in files for k, v in torch.load(f, map_location="cpu", weights_only=True).items()}
+
+
+def _load_gguf(path: Path) -> LoadedModel:
+    from transformers import AutoModelForCausalLM
+
+    # transformers dequantizes every tensor and undoes llama.cpp's Q/K permutation.
+    hf_model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    spec = spec_from_config(hf_model.config)
+    state = {k: v.detach() for k, v in hf_model.state_dict().items()}
+    eos = _as_ids(hf_model.config.eos_token_id) + _as_ids(getattr(hf_model.generation_config, "eos_token_id", None))
+    return LoadedModel(spec, state, path.parent, path.name, eos)

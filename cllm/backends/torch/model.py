@@ -1,0 +1,182 @@
+"""Our Llama-family decoder: one batched forward over flat varlen tokens.
+
+Covers Llama / SmolLM / Mistral (plain), Qwen2 (q/k/v bias) and Qwen3 (per-head
+q/k RMSNorm). Tokens of all scheduled sequences run through every layer as one
+``[T, hidden]`` matrix; only attention looks at sequence boundaries (through the
+paged KV cache, see :mod:`attention`). Q/K/V and gate/up projections are fused
+into one matmul each: fewer, larger kernels matter on CPU where a step's op
+count, not FLOPs, dominates small-batch decode.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from cllm.backends.torch.attention import AttentionBatch, paged_attention
+from cllm.backends.torch.kv_cache import PagedKVCache
+from cllm.backends.torch.linear import Linear
+from cllm.backends.torch.loader import ModelSpec, RopeSpec
+
+
+def rope_inv_freq(rope: RopeSpec, head_dim: int) -> torch.Tensor:
+    """Per-pair rotary frequencies, with linear or llama3 scaling applied (as transformers does)."""
+    inv_freq = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if rope.rope_type == "linear":
+        return inv_freq / rope.factor
+    if rope.rope_type == "llama3":
+        return _llama3_scaled(inv_freq, rope)
+    return inv_freq
+
+
+def _llama3_scaled(inv_freq: torch.Tensor, rope: RopeSpec) -> torch.Tensor:
+    # Long wavelengths are slowed by `factor`, short ones kept, the band between blended.
+    low_wavelen = rope.original_max_position / rope.low_freq_factor
+    high_wavelen = rope.original_max_position / rope.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / rope.factor, inv_freq)
+    smooth = (rope.original_max_position / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+    blended = (1 - smooth) * scaled / rope.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, blended, scaled)
+
+
+@dataclass(slots=True)
+class LayerWeights:
+    """One decoder layer's tensors, with Q|K|V and gate|up fused into one matmul each."""
+
+    input_norm: torch.Tensor  # RMSNorm weight before attention
+    qkv: Linear  # [(heads + 2 * kv_heads) * head_dim, hidden]
+    qk_norm: torch.Tensor | None  # Qwen3: per-head q/k RMSNorm weights as [heads + kv_heads, head_dim]
+    o: Linear  # attention output projection
+    post_norm: torch.Tensor  # RMSNorm weight before the MLP
+    gate_up: Linear  # [2 * intermediate, hidden]
+    down: Linear  # [hidden, intermediate]
+
+
+def attention_inputs(
+    x: torch.Tensor, w: LayerWeights, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, num_kv_heads: int,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Pre-norm, fused QKV projection, optional per-head q/k norm, rope. Returns q, k, v ``[T, heads, dim]``."""
+    head_dim = cos.shape[-1]
+    h = F.rms_norm(x, (x.shape[-1],), w.input_norm, eps)
+    qkv = w.qkv(h).view(x.shape[0], -1, head_dim)
+    split = num_heads + num_kv_heads
+    qk = qkv[:, :split]
+    if w.qk_norm is not None:
+        qk = F.rms_norm(qk, (head_dim,), None, eps) * w.qk_norm
+    # rotate_half(x) * sin == roll(x, dim/2) * [-sin, sin] (sign folded into the table): exact, one op fewer.
+    qk = torch.addcmul(qk * cos, torch.roll(qk, head_dim // 2, dims=-1), sin)
+    return qk[:, :num_heads], qk[:, num_heads:], qkv[:, split:]
+
+
+def output_and_mlp(x: torch.Tensor, attn_out: torch.Tensor, w: LayerWeights, eps: float) -> torch.Tensor:
+    """Attention output projection + residual, then pre-norm SwiGLU MLP + residual."""
+    x = x + w.o(attn_out)
+    h = F.rms_norm(x, (x.shape[-1],), w.post_norm, eps)
+    gate, up = w.gate_up(h).chunk(2, dim=-1)
+    return x + w.down(F.silu(gate) * up)
+
+
+class CausalLM:
+    """Embedding, decoder layers, final norm and LM head; inference only."""
+
+    def __init__(
+        self, spec: ModelSpec, state: dict[str, torch.Tensor], *, dtype: torch.dtype, device: torch.device,
+        compiled: bool = False,
+    ) -> None:
+        self.spec = spec
+        for name in ("model.embed_tokens.weight", "model.norm.weight"):
+            if name not in state:
+                raise ValueError(f"model weights lack {name!r}: not a {spec.architecture} checkpoint")
+        # torch.compile traces F.linear; oneDNN-packed weights are the eager CPU fast path.
+        prepack = device.type == "cpu" and not compiled
+        self.inv_freq = rope_inv_freq(spec.rope, spec.head_dim).to(device)
+        self.embed = state["model.embed_tokens.weight"].to(device, dtype)
+        self.norm = state["model.norm.weight"].to(device, dtype)
+        head = state.get("lm_head.weight")
+        # Tied embeddings reuse the embedding matrix (GGUF loads may still list lm_head as an alias).
+        self.lm_head = Linear(self.embed if head is None or spec.tie_word_embeddings else head.to(device, dtype), None, prepack=prepack)
+        self.layers = [
+            _layer_weights(spec, state, f"model.layers.{i}.", dtype, device, prepack) for i in range(spec.num_layers)
+        ]
+        self._attention_inputs, self._output_and_mlp = attention_inputs, output_and_mlp
+        if compiled:  # weights are arguments, not attributes, so every layer shares one compiled graph
+            self._attention_inputs = torch.compile(attention_inputs, dynamic=True)
+            self._output_and_mlp = torch.compile(output_and_mlp, dynamic=True)
+
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        cache: PagedKVCache,
+        batch: AttentionBatch,
+        logit_rows: torch.Tensor,
+    ) -> torch.Tensor:
+        """Float32 logits ``[len(logit_rows), vocab]`` of the given flat rows; K/V of all tokens cached."""
+        spec = self.spec
+        x = F.embedding(input_ids, self.embed)
+        cos, sin = self._rope_tables(positions, x.dtype)
+        for index, w in enumerate(self.layers):
+            q, k, v = self._attention_inputs(x, w, cos, sin, spec.num_heads, spec.num_kv_heads, spec.rms_norm_eps)
+            o = paged_attention(q, k, v, cache, index, batch)
+            x = self._output_and_mlp(x, o, w, spec.rms_norm_eps)
+        h = F.rms_norm(x.index_select(0, logit_rows), (x.shape[-1],), self.norm, spec.rms_norm_eps)
+        return self.lm_head(h).float()
+
+    def _rope_tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sign-folded sin, ``[T, 1, head_dim]``, computed in float32 then cast (as transformers)."""
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        cos, sin = freqs.cos(), freqs.sin()
+        cos = torch.cat([cos, cos], dim=-1)
+        sin = torch.cat([-sin, sin], dim=-1)
+        return cos[:, None].to(dtype), sin[:, None].to(dtype)
+
+
+def _layer_weights(
+    spec: ModelSpec, state: dict[str, torch.Tensor], prefix: str, dtype: torch.dtype, device: torch.device,
+    prepack: bool,
+) -> LayerWeights:
+    """One layer's HF tensors, fused (q|k|v, gate|up), cast and moved; absent biases stay None."""
+    _check_present(spec, state, prefix)
+
+    def get(name: str) -> torch.Tensor | None:
+        t = state.get(prefix + name)
+        return None if t is None else t.to(device, dtype)
+
+    def fused(*names: str) -> torch.Tensor | None:
+        parts = [get(n) for n in names]
+        return None if any(p is None for p in parts) else torch.cat(parts, dim=0).contiguous()
+
+    def linear(weight: torch.Tensor | None, bias: torch.Tensor | None) -> Linear:
+        assert weight is not None  # _check_present guarantees every weight
+        return Linear(weight, bias, prepack=prepack)
+
+    attn, mlp = "self_attn.", "mlp."
+    qk_norm = None
+    if spec.qk_norm:
+        q_norm, k_norm = get(attn + "q_norm.weight"), get(attn + "k_norm.weight")
+        qk_norm = torch.cat([q_norm.expand(spec.num_heads, -1), k_norm.expand(spec.num_kv_heads, -1)])
+    return LayerWeights(
+        input_norm=get("input_layernorm.weight"),
+        qkv=linear(fused(*(attn + p + "_proj.weight" for p in "qkv")), fused(*(attn + p + "_proj.bias" for p in "qkv"))),
+        qk_norm=qk_norm,
+        o=linear(get(attn + "o_proj.weight"), get(attn + "o_proj.bias")),
+        post_norm=get("post_attention_layernorm.weight"),
+        gate_up=linear(fused(mlp + "gate_proj.weight", mlp + "up_proj.weight"), fused(mlp + "gate_proj.bias", mlp + "up_proj.bias")),
+        down=linear(get(mlp + "down_proj.weight"), get(mlp + "down_proj.bias")),
+    )
+
+
+def _check_present(spec: ModelSpec, state: dict[str, torch.Tensor], prefix: str) -> None:
+    required = [prefix + "self_attn." + p + "_proj.weight" for p in "qkvo"]
+    required += [prefix + "mlp." + p + "_proj.weight" for p in ("gate", "up", "down")]
+    required += [prefix + n + ".weight" for n in ("input_layernorm", "post_attention_layernorm")]
+    if spec.qk_norm:
+        required += [prefix + "self_attn.q_norm.weight", prefix + "self_attn.k_norm.weight"]
+    missing = [name for name in required if name not in state]
+    if missing:
+        raise ValueError(f"model weights lack {missing[:4]}: not a {spec.architecture} checkpoint, or a truncated one")
