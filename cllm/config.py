@@ -45,7 +45,7 @@ class TorchConfig(_Section):
     """torch-backend-only knobs."""
 
     device: str = Field("auto", description="auto | cpu | cuda | cuda:N")
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description="auto = bfloat16 on CUDA, float32 on CPU")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description="auto = bfloat16 on CUDA and on CPUs with native bf16 (AVX512-BF16 or AMX), else float32")
     block_size: int = Field(16, ge=1, le=1024, description="tokens per paged KV block")
     torch_compile: bool = Field(False, description="wrap the model forward in torch.compile")
 

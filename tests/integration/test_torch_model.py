@@ -78,6 +78,18 @@ def test_llm_generate_matches_transformers_greedy(llm: cllm.LLM, hf_model: torch
     assert "Paris" in outs[0].outputs[0].text
 
 
+def test_tokenizer_bytes_and_end_tokens(llm: cllm.LLM) -> None:
+    tok = llm.tokenizer
+    text = "Héllo wörld 😀, the end."
+    ids = tok.encode(text, add_special=False)
+    # Byte-level BPE splits the emoji across tokens; their raw bytes still join to the UTF-8 text.
+    assert b"".join(tok.token_bytes(i) for i in ids) == text.encode()
+    assert tok.decode(ids) == text
+    im_end = tok.encode("<|im_end|>", add_special=False)
+    assert len(im_end) == 1 and im_end[0] in tok.eos_token_ids
+    assert tok.vocab_size == 49152 and "<|im_start|>" in (tok.chat_template or "")
+
+
 def test_forward_batch_greedy_loop_matches_transformers_with_prefix_hits(llm: cllm.LLM, hf_model: torch.nn.Module) -> None:
     backend = llm.engine.backend
     assert isinstance(backend, TorchBackend)
