@@ -37,6 +37,7 @@ from cllm.bench.baseline import complete
 from cllm.bench.report import collect_environment, format_table
 from cllm.bench.workload import load_tokenizer, random_prompts
 from cllm.config import ModelConfig
+from cllm.bench.machine import wait_for_idle
 from cllm.model_path import resolve_model_path
 
 _MODEL_DEFAULTS = ModelConfig()  # cllm's n_ctx / n_batch defaults, mirrored by the ceiling context
@@ -113,27 +114,6 @@ class RawDecoder:
         C.llama_batch_free(self.batch)
         C.llama_free(self.ctx)
         C.llama_model_free(self.model)
-
-
-def cpu_idle_fraction(interval_s: float = 1.0) -> float:
-    """Share of all CPUs' time spent idle over ``interval_s`` (from /proc/stat)."""
-    def sample() -> tuple[int, int]:
-        fields = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
-        return fields[3] + fields[4], sum(fields)  # idle + iowait, total
-
-    idle0, total0 = sample()
-    time.sleep(interval_s)
-    idle1, total1 = sample()
-    return (idle1 - idle0) / max(1, total1 - total0)
-
-
-def wait_for_idle(min_idle: float, timeout_s: float) -> float:
-    """Block until the machine is at least ``min_idle`` idle (other jobs skew timings); returns the idle seen."""
-    deadline = time.monotonic() + timeout_s
-    idle = cpu_idle_fraction()
-    while idle < min_idle and time.monotonic() < deadline:
-        idle = cpu_idle_fraction(2.0)
-    return idle
 
 
 @dataclass(slots=True)

@@ -21,11 +21,11 @@ from __future__ import annotations
 import argparse
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 
 import cllm
+from cllm.bench.machine import wait_for_idle
 from cllm.model_path import resolve_model_path
 
 TOPICS = ["a lighthouse", "a robot", "the ocean", "a dragon", "a city", "a garden", "a train", "a violin"]
@@ -44,26 +44,6 @@ def make_prompts(tokenizer: cllm.Tokenizer, level: int, repeat: int, prompt_toke
             ids += filler
         prompts.append(ids[:prompt_tokens] if prompt_tokens else ids)
     return prompts
-
-
-def cpu_idle_fraction(interval_s: float = 1.0) -> float:
-    """Share of all CPUs' time spent idle over ``interval_s`` (from /proc/stat)."""
-
-    def sample() -> tuple[int, int]:
-        fields = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
-        return fields[3] + fields[4], sum(fields)  # idle + iowait, total
-
-    idle0, total0 = sample()
-    time.sleep(interval_s)
-    idle1, total1 = sample()
-    return (idle1 - idle0) / max(1, total1 - total0)
-
-
-def wait_for_idle(min_idle: float, timeout_s: float) -> None:
-    """Block until the machine is at least ``min_idle`` idle: 2 threads on 2 busy cores time garbage."""
-    deadline = time.monotonic() + timeout_s
-    while min_idle > 0 and cpu_idle_fraction() < min_idle and time.monotonic() < deadline:
-        pass
 
 
 def best_rate(run: Runner, tokenizer: cllm.Tokenizer, level: int, args: argparse.Namespace) -> float:

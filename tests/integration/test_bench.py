@@ -1,30 +1,19 @@
 """`cllm bench` end to end on the embedded model: offline, serve (live `cllm serve`), compare."""
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 from typer.testing import CliRunner
 
 from cllm.bench.cli import app
 from cllm.bench.report import BenchReport
+from tests.integration.conftest_server import free_port, start_server
 
 # Small runs; one thread because on a busy 2-core machine llama.cpp's spinning barrier makes 2 threads far slower.
 WORKLOAD = ["--input-len", "16", "--output-len", "8", "--no-progress"]
 IN_PROCESS = [*WORKLOAD, "--n-threads", "1"]
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def invoke(*args: str) -> tuple[int, str]:
@@ -54,41 +43,13 @@ def check_complete_runs(report: BenchReport, *, output_len: int, prompt_len: int
 
 
 @pytest.fixture(scope="module")
-def cllm_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def cllm_server() -> Iterator[str]:
     """A real `cllm serve` subprocess on a free port; yields its base URL."""
-    port = free_port()
-    log_path = tmp_path_factory.mktemp("serve") / "serve.log"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CLLM_")}
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "cllm", "serve", "--host", "127.0.0.1", "--port", str(port), "--n-threads", "1", "--n-seq-max", "4"],
-            stdout=log, stderr=subprocess.STDOUT, env=env,
-        )
-        url = f"http://127.0.0.1:{port}"
-        try:
-            _wait_healthy(proc, url, log_path)
-            yield url
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-
-
-def _wait_healthy(proc: subprocess.Popen[bytes], url: str, log_path: Path, timeout_s: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"cllm serve exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2.0).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise RuntimeError(f"cllm serve not healthy after {timeout_s}s:\n{log_path.read_text()[-3000:]}")
+    server = start_server("--n-seq-max", "4")
+    try:
+        yield server.base_url
+    finally:
+        server.stop()
 
 
 def test_offline_llama_cpp(tmp_path: Path) -> None:
