@@ -34,10 +34,10 @@ import numpy as np
 
 import cllm
 from cllm.bench.baseline import complete
+from cllm.bench.machine import wait_for_idle
 from cllm.bench.report import collect_environment, format_table
 from cllm.bench.workload import load_tokenizer, random_prompts
 from cllm.config import ModelConfig
-from cllm.bench.machine import wait_for_idle
 from cllm.model_path import resolve_model_path
 
 _MODEL_DEFAULTS = ModelConfig()  # cllm's n_ctx / n_batch defaults, mirrored by the ceiling context

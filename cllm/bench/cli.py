@@ -84,6 +84,14 @@ def parse_sets(values: list[str] | None) -> dict[str, Any]:
     return out
 
 
+def _url_spec(text: str) -> TargetSpec:
+    """``URL`` or ``LABEL=URL`` (the label names the column)."""
+    label, sep, url = text.partition("=")
+    if sep and not label.startswith(("http://", "https://")):
+        return TargetSpec("url", url.strip(), label.strip())
+    return TargetSpec("url", text)
+
+
 def _slo(text: str | None) -> dict[str, float]:
     try:
         return parse_slo(text)
@@ -168,7 +176,7 @@ def serve(
 def compare(
     ctx: typer.Context,
     backend: Annotated[list[str] | None, typer.Option("--backend", "-b", help="in-process cllm backend (repeatable)")] = None,
-    url: Annotated[list[str] | None, typer.Option("--url", help="OpenAI-compatible server root (repeatable)")] = None,
+    url: Annotated[list[str] | None, typer.Option("--url", help="OpenAI-compatible server root, or LABEL=URL (repeatable)")] = None,
     baseline: Annotated[list[str] | None, typer.Option("--baseline", help="llama-cpp-python: serial llama_cpp.Llama on the same prompts")] = None,
     model: Annotated[str | None, typer.Option("--model", "-m", help="GGUF file or HF directory for in-process targets, baseline and prompts")] = None,
     served_model: Annotated[str | None, typer.Option("--served-model", help="model id for --url targets (default: first of GET /v1/models)")] = None,
@@ -183,7 +191,7 @@ def compare(
 
     Column order: --backend targets, then --url targets, then --baseline.
     """
-    specs = [TargetSpec("backend", b) for b in backend or []] + [TargetSpec("url", u) for u in url or []]
+    specs = [TargetSpec("backend", b) for b in backend or []] + [_url_spec(u) for u in url or []]
     try:
         specs += [TargetSpec("baseline", b) for b in baseline or []]
     except ValueError as exc:

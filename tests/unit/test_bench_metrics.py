@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import typer
 
-from cllm.bench.cli import parse_concurrency, parse_rates, parse_sets
+from cllm.bench.cli import _url_spec, parse_concurrency, parse_rates, parse_sets
 from cllm.bench.metrics import (
     RequestRecord, StreamTimer, latency_stats, meets_slo, parse_slo, percentile, summarize_run,
 )
@@ -306,3 +306,10 @@ def test_api_root() -> None:
     assert api_root("http://h:1/v1/") == "http://h:1/v1"
     with pytest.raises(ValueError):
         api_root("127.0.0.1:8000")
+
+
+def test_url_spec_label() -> None:
+    spec = _url_spec("cllm serve=http://127.0.0.1:8000")
+    assert (spec.kind, spec.value, spec.label) == ("url", "http://127.0.0.1:8000", "cllm serve")
+    plain = _url_spec("http://h:1/v1?x=1")
+    assert (plain.value, plain.label) == ("http://h:1/v1?x=1", "http://h:1/v1?x=1")
