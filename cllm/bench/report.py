@@ -279,6 +279,7 @@ def plot_report(report: BenchReport, path: str | Path) -> None:
         points = [(levels.index(level_label(r)), r.summary.output_throughput) for r in runs if r.target == target]
         ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", color=f"C{t_idx}", label=target)
     ax.set_xticks(range(len(levels)), levels)
+    ax.set_ylim(bottom=0)
     ax.set_title("output throughput (tokens/s)")
     ax.set_xlabel(xlabel)
     ax.grid(True, alpha=0.3)
