@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
 class _Section(BaseModel):
@@ -66,7 +66,8 @@ class ServerConfig(_Section):
 
     host: str = Field("127.0.0.1", description="bind address")
     port: int = Field(8000, ge=0, le=65535, description="bind port")
-    api_key: str | None = Field(None, description="if set, /v1/* requires `Authorization: Bearer <key>`")
+    api_key: str | None = Field(None, description="if set, every route but /health requires `Authorization: Bearer <key>`; an empty key is an error, not 'no auth'")
+    allowed_hosts: list[str] = Field(default_factory=list, description="without an api_key, Host headers served besides loopback names (DNS-rebinding defence); [\"*\"] = any")
     cors_origins: list[str] = Field(default_factory=list, description="allowed CORS origins; empty = CORS off")
     served_model_name: str | None = Field(None, description="model id reported by /v1/models; None = file stem")
     max_tokens_limit: int = Field(4096, ge=1, description="largest max_tokens a request may ask for")
@@ -74,6 +75,13 @@ class ServerConfig(_Section):
     max_body_bytes: int = Field(1 << 20, ge=1024, description="largest request body")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log verbosity")
     shutdown_grace_s: float = Field(10.0, ge=0, description="on SIGTERM, how long in-flight requests may finish before being aborted")
+
+    @field_validator("api_key")
+    @classmethod
+    def _key_not_blank(cls, value: str | None) -> str | None:
+        if value is not None and not value.strip():
+            raise ValueError("api_key is empty: set a real key, or leave it unset (null) to run without one")
+        return value
 
 
 class CllmConfig(_Section):
@@ -137,13 +145,17 @@ def build_config(nested: dict[str, Any], flat: dict[str, Any]) -> CllmConfig:
         raise ValueError(_format_error(err)) from None
 
 
+_VERBATIM_ENV = frozenset({"api_key", "served_model_name"})
+
+
 def _env_overrides(environ: dict[str, str]) -> dict[str, Any]:
     found: dict[str, Any] = {}
     for key in FIELD_SECTION:
         raw = environ.get(f"CLLM_{key.upper()}")
         if raw is not None:
-            # YAML parsing turns "4096" into 4096, "true" into True, "null" into None.
-            found[key] = yaml.safe_load(raw) if raw != "" else None
+            # YAML parsing turns "4096" into 4096, "true" into True, "null" into None; secrets and
+            # names are taken verbatim (CLLM_API_KEY=12345 is the string "12345", "" stays "").
+            found[key] = raw if key in _VERBATIM_ENV else yaml.safe_load(raw) if raw != "" else None
     return found
 
 

@@ -59,8 +59,11 @@ class LLM:
         prompt_list = _as_prompt_list(prompts)
         params_list = _broadcast(params or SamplingParams(), len(prompt_list), "params")
         priorities = _broadcast(priority, len(prompt_list), "priority")
-        ids = [self.engine.add_request(p, sp, priority=pr) for p, sp, pr in zip(prompt_list, params_list, priorities)]
-        return self._run(ids, use_tqdm)
+        # Validate every prompt before queueing any, so a bad prompt k leaves nothing behind; then feed
+        # the bounded waiting queue as it drains, so a batch of any size just works.
+        pending = [(p, sp, pr, self.engine.validate_request(p, sp))
+                   for p, sp, pr in zip(prompt_list, params_list, priorities)]
+        return self._run(pending, use_tqdm)
 
     def chat(self, messages: Sequence[dict] | Sequence[Sequence[dict]], params: SamplingParams | None = None,
              *, use_tqdm: bool = False) -> list[RequestOutput]:
@@ -69,15 +72,25 @@ class LLM:
         prompts = [self.engine.apply_chat_template(c) for c in conversations]
         return self.generate(prompts, params, use_tqdm=use_tqdm)
 
-    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+    def _feed(self, pending: list[tuple], ids: list[str]) -> None:
+        # An idle engine always takes the next request, so a too-large n surfaces as QueueFullError.
+        while len(ids) < len(pending) and (self.engine.has_room_for(pending[len(ids)][1].n)
+                                           or not self.engine.has_unfinished()):
+            prompt, params, priority, token_ids = pending[len(ids)]
+            ids.append(self.engine.add_request(prompt, params, priority=priority, prompt_ids=token_ids))
+
+    def _run(self, pending: list[tuple], use_tqdm: bool) -> list[RequestOutput]:
         final: dict[str, RequestOutput] = {}
-        bar = tqdm(total=len(ids), disable=not use_tqdm, desc="generate")
+        ids: list[str] = []
+        bar = tqdm(total=len(pending), disable=not use_tqdm, desc="generate")
         try:
+            self._feed(pending, ids)
             while self.engine.has_unfinished():
                 for out in self.engine.step():
                     if out.finished:
                         final[out.request_id] = out
                         bar.update(1)
+                self._feed(pending, ids)
         except BaseException:
             for rid in ids:
                 self.engine.abort_request(rid)

@@ -54,11 +54,12 @@ class LLMEngine:
     def apply_chat_template(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> str:
         if self._chat is None:
             self._chat = ChatTemplate(self.tokenizer)
-        return self._chat.render(messages, add_generation_prompt=add_generation_prompt)
+        return _valid_text(self._chat.render(messages, add_generation_prompt=add_generation_prompt), "messages")
 
     def tokenize_prompt(self, prompt: Prompt) -> list[int]:
         """Validated prompt token ids (ValueError on an empty or out-of-vocabulary prompt)."""
         if isinstance(prompt, str):
+            _valid_text(prompt, "prompt")
             bos = self.tokenizer.bos_token_id
             starts_with_bos = bos is not None and prompt.startswith(self.tokenizer.special_token(bos))
             ids = self.tokenizer.encode(prompt, add_special=not starts_with_bos)
@@ -91,15 +92,12 @@ class LLMEngine:
                     priority: int = 0, timeout_s: float | None = None, prompt_ids: list[int] | None = None) -> str:
         """Queue a request (n choices); returns its id. Raises ValueError / QueueFullError."""
         params = params or SamplingParams()
-        params.check_vocab(self.tokenizer.vocab_size)
-        ids = prompt_ids if prompt_ids is not None else self.tokenize_prompt(prompt)
+        ids = prompt_ids if prompt_ids is not None else self.validate_request(prompt, params)
         max_tokens = self.resolve_max_tokens(len(ids), params)
-        max_waiting = self.config.scheduler.max_waiting
-        if self.scheduler.num_waiting + params.n > max_waiting:
-            raise QueueFullError(f"waiting queue is full ({max_waiting} requests); retry later")
+        if not self.has_room_for(params.n):
+            raise QueueFullError(f"waiting queue is full ({self.config.scheduler.max_waiting} requests); retry later")
         group_id = request_id or f"req-{uuid.uuid4().hex[:16]}"
-        if group_id in self._groups:
-            raise ValueError(f"request_id {group_id!r} is already in use")
+        self._check_id_free(group_id, params.n)
         timeout = timeout_s if timeout_s is not None else self.config.scheduler.request_timeout_s
         children = [self._child(group_id, i, ids, params, max_tokens, priority, timeout) for i in range(params.n)]
         group = RequestGroup(group_id, prompt if isinstance(prompt, str) else None, children, self.tokenizer)
@@ -109,12 +107,34 @@ class LLMEngine:
             self.scheduler.add(child)
         return group_id
 
+    def validate_request(self, prompt: Prompt, params: SamplingParams) -> list[int]:
+        """Everything add_request checks about the request itself; returns the prompt's token ids.
+
+        Raises ValueError without touching engine state, so a caller can check a whole batch first.
+        """
+        params.check_vocab(self.tokenizer.vocab_size)
+        ids = self.tokenize_prompt(prompt)
+        self.resolve_max_tokens(len(ids), params)
+        return ids
+
+    def has_room_for(self, num_sequences: int) -> bool:
+        """Whether the waiting queue can take ``num_sequences`` more sequences now."""
+        return self.scheduler.num_waiting + num_sequences <= self.config.scheduler.max_waiting
+
+    def _check_id_free(self, group_id: str, n: int) -> None:
+        # A child id ("x#0") may equal another request's id: refuse any overlap, both ways.
+        child_ids = [group_id] if n == 1 else [f"{group_id}#{i}" for i in range(n)]
+        taken = [i for i in {group_id, *child_ids} if i in self._groups or i in self._group_of]
+        if taken:
+            raise ValueError(f"request_id {group_id!r} is already in use (clashes with {taken[0]!r})")
+
     def _child(self, group_id: str, index: int, ids: list[int], params: SamplingParams, max_tokens: int,
                priority: int, timeout: float | None) -> Request:
         now = time.monotonic()
         rid = group_id if params.n == 1 else f"{group_id}#{index}"
         seed = params.seed + index if params.seed is not None else int(self._seed_source.integers(1 << 62))
-        self._rngs[rid] = np.random.default_rng(seed)
+        # OpenAI seeds are int64 and may be negative; numpy takes non-negative ints: wrap to 64 bits.
+        self._rngs[rid] = np.random.default_rng(seed % (1 << 64))
         return Request(rid, list(ids), params, max_tokens, priority=priority, arrival_time=now,
                        deadline=now + timeout if timeout else None, eos_token_ids=self.tokenizer.eos_token_ids)
 
@@ -258,3 +278,14 @@ class LLMEngine:
 
     def close(self) -> None:
         self.backend.close()
+
+
+def _valid_text(text: str, name: str) -> str:
+    """``text`` itself; ValueError if it holds a lone surrogate (JSON can carry "\\ud800"), which no
+    tokenizer can encode."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise ValueError(f"{name} contains an unpaired surrogate {text[err.start]!r} at index {err.start}: "
+                         "send valid Unicode text") from None
+    return text

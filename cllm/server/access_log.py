@@ -81,6 +81,12 @@ class AccessLogMiddleware:
 
         try:
             await self.app(scope, receive, send_and_note)
+        except BaseException:
+            # The outermost error handler turns it into a 500 after we return: count it as one,
+            # not as a client that went away.
+            if record.status is None:
+                record.status = 500
+            raise
         finally:
             level = logging.DEBUG if record.path in _QUIET_PATHS else logging.INFO
             log.log(level, "%s", record.line())

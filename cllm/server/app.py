@@ -13,8 +13,10 @@ from fastapi.middleware.cors import CORSMiddleware
 
 from cllm.config import CllmConfig
 from cllm.server.access_log import AccessLogMiddleware, AccessRecord
+from cllm.server.auth import ApiKeyMiddleware
 from cllm.server.body_limit import BodyLimitMiddleware
 from cllm.server.errors import install_error_handlers
+from cllm.server.host_guard import LOOPBACK_HOSTS, HostGuardMiddleware
 from cllm.server.lifecycle import lifespan_for, request_drain
 from cllm.server.routes import KNOWN_PATHS, routers
 from cllm.server.state import ServerState
@@ -44,7 +46,7 @@ def create_app(config: CllmConfig, engine: Any | None = None) -> FastAPI:
     )
     app.state.cllm = state
     install_error_handlers(app)
-    for router in routers(config.server.api_key):
+    for router in routers():
         app.include_router(router)
 
     def count_response(record: AccessRecord) -> None:
@@ -53,6 +55,10 @@ def create_app(config: CllmConfig, engine: Any | None = None) -> FastAPI:
 
     # Added innermost first: the body limit sees requests after logging and CORS.
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.server.max_body_bytes)
+    if config.server.api_key is not None:
+        app.add_middleware(ApiKeyMiddleware, api_key=config.server.api_key)
+    else:
+        app.add_middleware(HostGuardMiddleware, allowed=config.server.allowed_hosts)
     if config.server.cors_origins:
         app.add_middleware(
             CORSMiddleware,
@@ -104,6 +110,10 @@ def run_server(config: CllmConfig) -> None:
     """Serve ``config`` until SIGTERM/SIGINT; exit status 1 if the model fails to load."""
     server_cfg = config.server
     configure_logging(server_cfg.log_level)
+    if server_cfg.api_key is None and server_cfg.host.lower() not in LOOPBACK_HOSTS:
+        log.warning("serving on %s without an API key: anyone who can reach this address can use the model; "
+                    "set --api-key (or CLLM_API_KEY). Requests must also carry a Host header in allowed_hosts",
+                    server_cfg.host)
     app = create_app(config)
     uv_config = uvicorn.Config(
         app,

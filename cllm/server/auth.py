@@ -1,32 +1,37 @@
-"""Optional API key, checked as a Bearer token on /v1/*."""
+"""Optional API key, checked as a Bearer token on every route but /health.
+
+Per-route decision (as llama-server with --api-key): only the liveness probe is public. /v1/*,
+/tokenize, /detokenize, /metrics (it reveals traffic), /docs and /openapi.json all need the key when
+one is configured. CORS preflights (OPTIONS) pass so browsers can then send the key.
+"""
 from __future__ import annotations
 
 import hmac
-from collections.abc import Awaitable, Callable
 
-from starlette.requests import Request
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from cllm.server.errors import APIError
 
+PUBLIC_PATHS = frozenset({"/health"})
 
-def api_key_check(api_key: str | None) -> Callable[[Request], Awaitable[None]]:
-    """A FastAPI dependency that refuses requests without ``Authorization: Bearer <api_key>`` (401).
 
-    With no key configured it lets everything through.
-    """
-    expected = api_key.encode() if api_key else None
+class ApiKeyMiddleware:
+    """Pure ASGI middleware refusing requests without ``Authorization: Bearer <api_key>`` (401)."""
 
-    async def check(request: Request) -> None:
-        if expected is None:
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.expected = api_key.encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in PUBLIC_PATHS or scope["method"] == "OPTIONS":
+            await self.app(scope, receive, send)
             return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        headers = dict(scope.get("headers") or [])
+        scheme, _, token = headers.get(b"authorization", b"").decode("latin-1").partition(" ")
         # compare_digest: the time taken must not reveal how much of the key matched.
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), expected):
-            raise APIError(
-                401,
-                "invalid or missing API key: send `Authorization: Bearer <key>`",
-                code="invalid_api_key",
-                headers={"WWW-Authenticate": "Bearer"},
-            )
-
-    return check
+        if scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode("latin-1"), self.expected):
+            await self.app(scope, receive, send)
+            return
+        error = APIError(401, "invalid or missing API key: send `Authorization: Bearer <key>`",
+                         code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+        await error.response()(scope, receive, send)

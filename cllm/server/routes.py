@@ -4,12 +4,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 from starlette.requests import Request
 from starlette.responses import Response
 
-from cllm.server.auth import api_key_check
 from cllm.server.chat import create_chat_completion, render_chat
 from cllm.server.completions import create_completion
 from cllm.server.errors import bad_request
@@ -58,7 +57,10 @@ async def engine_state(request: Request) -> dict[str, Any]:
 async def health(request: Request) -> JSONResponse:
     state = get_state(request)
     if state.phase is Phase.READY:
-        return JSONResponse({"status": "ok"})
+        if state.loaded is not None and state.loaded.engine.is_running:
+            return JSONResponse({"status": "ok"})
+        # Loaded once, but the engine loop has died: every request would get 503, so say so here.
+        return JSONResponse({"status": "engine_dead"}, status_code=503)
     body: dict[str, Any] = {"status": state.phase.value}
     if state.load_error:
         body["error"] = state.load_error
@@ -95,8 +97,8 @@ async def detokenize(body: DetokenizeRequest, request: Request) -> DetokenizeRes
     return DetokenizeResponse(prompt=model.engine.tokenizer.decode(body.tokens))
 
 
-def _openai_router(api_key: str | None) -> APIRouter:
-    router = APIRouter(prefix="/v1", dependencies=[Depends(api_key_check(api_key))])
+def _openai_router() -> APIRouter:
+    router = APIRouter(prefix="/v1")
     router.add_api_route("/completions", create_completion, methods=["POST"], response_model=None)
     router.add_api_route("/chat/completions", create_chat_completion, methods=["POST"], response_model=None)
     router.add_api_route("/models", list_models, methods=["GET"])
@@ -114,9 +116,9 @@ def _ops_router() -> APIRouter:
     return router
 
 
-def routers(api_key: str | None) -> list[APIRouter]:
-    """All routers of the app."""
-    return [_openai_router(api_key), _ops_router()]
+def routers() -> list[APIRouter]:
+    """All routers of the app (the API key, when set, is checked by ApiKeyMiddleware)."""
+    return [_openai_router(), _ops_router()]
 
 
 # Routes whose path is a fixed string, for the metrics' route label (anything else is "other").

@@ -10,6 +10,11 @@ import cllm
 from cllm.backends.llama_cpp.backend import LlamaCppBackend
 
 GREEDY = cllm.SamplingParams(max_tokens=32, temperature=0)
+GREEDY_LP = cllm.SamplingParams(max_tokens=32, temperature=0, logprobs=2)
+# What llama.cpp guarantees across batch composition and prefix-cache hits (see README,
+# "Reproducibility"): the same logits up to float rounding, which the Q8 activation quantisation
+# of its CPU matmuls can amplify; measured differences reach 0.07 nats on this model.
+LOGPROB_TOL = 0.25
 PROMPTS = ["The capital of France is", "def fib(n):", "Once upon a time", "The three primary colors are",
            "Water boils at", "My favourite fruit is"]
 
@@ -32,17 +37,30 @@ def test_generate_is_coherent(llm):
     assert out.metrics.ttft is not None and out.metrics.e2e >= out.metrics.ttft
 
 
-def test_batched_greedy_equals_alone(llm):
-    batched = llm.generate(PROMPTS, GREEDY)
-    alone = [llm.generate([p], GREEDY)[0] for p in PROMPTS]
-    assert [o.outputs[0].token_ids for o in batched] == [o.outputs[0].token_ids for o in alone]
+def assert_greedy_agree(a, b):
+    """Two greedy runs of one prompt under different batching agree: equal tokens with logprobs
+    within LOGPROB_TOL, until (if ever) a step where the top two tokens were within rounding."""
+    for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+        if x.token_id != y.token_id:
+            margin = y.top[0].logprob - y.top[1].logprob
+            assert margin <= 2 * LOGPROB_TOL, f"greedy outputs diverged at a clear choice (margin {margin:.3f})"
+            return
+        assert abs(x.logprob - y.logprob) <= LOGPROB_TOL
+
+
+def test_batched_greedy_agrees_with_alone(llm):
+    batched = llm.generate(PROMPTS, GREEDY_LP)
+    alone = [llm.generate([p], GREEDY_LP)[0] for p in PROMPTS]
+    for b, a in zip(batched, alone):
+        assert_greedy_agree(b, a)
 
 
 def test_token_ids_prompt_and_chat(llm):
     ids = llm.tokenizer.encode("The capital of France is")
-    by_ids = llm.generate([ids], GREEDY)[0]
-    by_text = llm.generate(["The capital of France is"], GREEDY)[0]
-    assert by_ids.outputs[0].token_ids == by_text.outputs[0].token_ids
+    by_ids = llm.generate([ids], GREEDY_LP)[0]
+    by_text = llm.generate(["The capital of France is"], GREEDY_LP)[0]  # a prefix-cache hit
+    assert by_ids.prompt_token_ids == by_text.prompt_token_ids == ids
+    assert_greedy_agree(by_ids, by_text)
     chat = llm.chat([{"role": "user", "content": "What is 2+2?"}], cllm.SamplingParams(max_tokens=24, temperature=0))[0]
     assert "4" in chat.outputs[0].text and chat.usage.prompt_tokens > 20
     assert chat.outputs[0].finish_reason == "stop"  # the model ends its turn with <|im_end|>
@@ -198,11 +216,19 @@ def test_abort_and_timeout_free_slots():
     assert stats.slots_in_use == 0 and stats.requests_finished.get("abort") == 1
 
 
-def test_seeded_sampling_is_reproducible_in_any_batch(llm):
-    p = cllm.SamplingParams(max_tokens=24, temperature=0.9, top_p=0.95, seed=1234)
-    alone = llm.generate(["Tell me a joke."], p)[0].outputs[0].text
-    mixed = llm.generate(["Hello", "Tell me a joke.", "Why is the sky blue?"], [GREEDY, p, cllm.SamplingParams(max_tokens=8, temperature=1.0)])
-    assert mixed[1].outputs[0].text == alone
+def test_seeded_requests_reproduce_bit_exactly_under_the_same_conditions():
+    # The guarantee (README, "Reproducibility"): the same requests in the same batch with the same
+    # cache state give the same output, bit for bit; a seed's random stream never depends on
+    # batch-mates (tests/unit/test_sampler.py). Across different batches only LOGPROB_TOL holds.
+    seeded = cllm.SamplingParams(max_tokens=24, temperature=0.9, top_p=0.95, seed=1234)
+    other = cllm.SamplingParams(max_tokens=8, temperature=1.0)
+    prompts = ["Hello", "Tell me a joke.", "Why is the sky blue?"]
+    with cllm.LLM(n_threads=2, n_seq_max=8, prefix_cache=False) as fresh:
+        runs = [fresh.generate(prompts, [GREEDY, seeded, other]) for _ in range(2)]
+        alone = [fresh.generate(["Tell me a joke."], seeded)[0] for _ in range(2)]
+    # greedy and seeded requests repeat exactly; the unseeded one (index 2) draws a fresh seed
+    assert [o.outputs[0].token_ids for o in runs[0][:2]] == [o.outputs[0].token_ids for o in runs[1][:2]]
+    assert alone[0].outputs[0].token_ids == alone[1].outputs[0].token_ids
 
 
 def test_stop_strings_logprobs_and_n(llm):

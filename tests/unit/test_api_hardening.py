@@ -1,0 +1,54 @@
+"""Issue 9 defects 2, 3 and 6 (negative seed) on the fake backend."""
+from __future__ import annotations
+
+import pytest
+
+import cllm
+from cllm.engine.llm_engine import LLMEngine
+from cllm.sampling.params import SamplingParams
+from tests.unit.fakes import FakeBackend, fake_config
+
+GREEDY = SamplingParams(max_tokens=3, temperature=0)
+
+
+def fake_llm(**overrides) -> cllm.LLM:
+    config = fake_config(**overrides)
+    return cllm.LLM(backend=FakeBackend(slots=4), config=config)
+
+
+def test_generate_feeds_a_batch_larger_than_the_waiting_queue():
+    llm = fake_llm(max_waiting=8)
+    outs = llm.generate([[i % 50] for i in range(100)], GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == [[(i % 50 + k) % 64 for k in (1, 2, 3)] for i in range(100)]
+    assert not llm.engine.has_unfinished()
+
+
+def test_invalid_prompt_leaves_nothing_queued():
+    llm = fake_llm()
+    bad = SamplingParams(max_tokens=3, logit_bias={10_000: 1.0})  # token id beyond the vocab
+    with pytest.raises(ValueError):
+        llm.generate([[1], [2], [3]], [GREEDY, GREEDY, bad])
+    assert not llm.engine.has_unfinished() and llm.engine.scheduler.num_waiting == 0
+    assert llm.generate([[5]], GREEDY)[0].outputs[0].token_ids == [6, 7, 8]  # nothing left over runs here
+
+
+def test_request_id_clashing_with_a_child_id_is_refused():
+    engine = LLMEngine(fake_config(), FakeBackend(slots=4))
+    engine.add_request([1], SamplingParams(max_tokens=2, n=2, temperature=0), request_id="x")
+    with pytest.raises(ValueError, match="x#0"):
+        engine.add_request([1], GREEDY, request_id="x#0")
+    engine.add_request([1], GREEDY, request_id="y#1")
+    with pytest.raises(ValueError, match="y#1"):
+        engine.add_request([1], SamplingParams(max_tokens=2, n=2, temperature=0), request_id="y")
+    for _ in range(100):
+        if not engine.has_unfinished():
+            break
+        engine.step()
+    assert not engine.has_unfinished()  # no zombie group keeps the loop busy
+
+
+def test_negative_int64_seed_is_accepted_and_reproducible():
+    llm = fake_llm()
+    p = SamplingParams(max_tokens=4, temperature=1.0, seed=-(2 ** 63))
+    first = llm.generate([[1]], p)[0].outputs[0].token_ids
+    assert llm.generate([[1]], p)[0].outputs[0].token_ids == first and len(first) == 4

@@ -1,0 +1,101 @@
+"""Issue 9 defect 12 on the in-process app over the fake backend: /health after the engine died,
+lone surrogates, and unhandled errors counted as 500."""
+from __future__ import annotations
+
+import time
+
+import pytest
+from fastapi import Request
+from fastapi.testclient import TestClient
+
+import cllm
+from cllm.server import routes
+from cllm.server.app import create_app
+from tests.unit.fakes import FakeBackend, fake_config
+
+
+def fake_app():
+    config = fake_config()
+    return create_app(config, engine=cllm.AsyncLLM(backend=FakeBackend(slots=2), config=config))
+
+
+def test_health_is_503_once_the_engine_loop_died():
+    with TestClient(fake_app(), base_url="http://localhost") as client:
+        assert client.get("/health").json() == {"status": "ok"}
+        engine = client.app.state.cllm.loaded.engine
+
+        def broken_step():
+            raise RuntimeError("simulated engine bug")
+        engine.engine.step = broken_step
+        assert client.post("/v1/completions", json={"prompt": "ab", "max_tokens": 2}).status_code >= 500
+        deadline = time.monotonic() + 10
+        while engine.is_running and time.monotonic() < deadline:
+            time.sleep(0.01)
+        health = client.get("/health")
+        assert health.status_code == 503 and health.json()["status"] == "engine_dead"
+
+
+@pytest.mark.parametrize("route, body", [
+    ("/v1/completions", b'{"prompt": "ab\\ud800cd", "max_tokens": 2}'),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\ud800"}], "max_tokens": 2}'),
+])
+def test_lone_surrogate_is_a_400_naming_it(route, body):
+    with TestClient(fake_app(), base_url="http://localhost") as client:
+        resp = client.post(route, content=body, headers={"Content-Type": "application/json"})
+        assert resp.status_code == 400, resp.text
+        assert "surrogate" in resp.json()["error"]["message"]
+        assert client.post("/v1/completions", json={"prompt": "ab", "max_tokens": 2}).status_code == 200
+
+
+def test_unhandled_error_is_counted_as_500_not_499(monkeypatch):
+    async def broken_tokenize(request: Request):
+        raise RuntimeError("simulated handler bug")
+    monkeypatch.setattr(routes, "tokenize", broken_tokenize)
+    with TestClient(fake_app(), base_url="http://localhost", raise_server_exceptions=False) as client:
+        assert client.post("/tokenize", json={"prompt": "ab"}).status_code == 500
+        metrics = client.get("/metrics").text
+    assert 'cllm_http_responses_total{code="500",route="/tokenize"} 1.0' in metrics
+    assert 'code="499"' not in metrics
+
+
+# ---- defect 13: auth ------------------------------------------------------------------
+
+def test_api_key_from_env_is_verbatim_and_never_blank():
+    from cllm.config import load_config
+    assert load_config(environ={"CLLM_API_KEY": "12345"}).server.api_key == "12345"
+    assert load_config(environ={"CLLM_API_KEY": "null"}).server.api_key == "null"  # a key, not "no auth"
+    for blank in ("", "  "):
+        with pytest.raises(ValueError, match="api_key is empty"):
+            load_config(environ={"CLLM_API_KEY": blank})
+
+
+def keyed_app(key: str = "sekrit"):
+    config = fake_config(api_key=key)
+    return create_app(config, engine=cllm.AsyncLLM(backend=FakeBackend(slots=2), config=config))
+
+
+@pytest.mark.parametrize("method, path", [
+    ("POST", "/v1/completions"), ("GET", "/v1/models"), ("POST", "/tokenize"), ("POST", "/detokenize"),
+    ("GET", "/metrics"), ("GET", "/docs"), ("GET", "/openapi.json"), ("GET", "/v1/engine"),
+])
+def test_with_a_key_every_route_but_health_needs_it(method, path):
+    with TestClient(keyed_app(), base_url="http://any.host.example") as client:
+        resp = client.request(method, path, json={"prompt": "ab", "tokens": [1]})
+        assert resp.status_code == 401 and resp.json()["error"]["code"] == "invalid_api_key"
+        good = client.request(method, path, json={"prompt": "ab", "tokens": [1]},
+                              headers={"Authorization": "Bearer sekrit"})
+        assert good.status_code == 200
+        assert client.get("/health").status_code == 200
+
+
+def test_keyless_server_refuses_foreign_host_headers():
+    with TestClient(fake_app(), base_url="http://evil.example") as client:
+        resp = client.get("/v1/models")
+        assert resp.status_code == 403 and resp.json()["error"]["code"] == "host_not_allowed"
+    for base in ("http://localhost:8000", "http://127.0.0.1", "http://[::1]:9000"):
+        with TestClient(fake_app(), base_url=base) as client:
+            assert client.get("/v1/models").status_code == 200, base
+    config = fake_config(allowed_hosts=["llm.internal"])
+    app = create_app(config, engine=cllm.AsyncLLM(backend=FakeBackend(slots=2), config=config))
+    with TestClient(app, base_url="http://llm.internal:8000") as client:
+        assert client.get("/v1/models").status_code == 200
