@@ -59,6 +59,7 @@ class SchedulerConfig(_Section):
     preemption_mode: Literal["recompute", "swap"] = Field("recompute", description="how a preempted sequence resumes: re-evaluate its tokens, or restore saved KV (backends that support it)")
     max_waiting: int = Field(1024, ge=0, le=1 << 20, description="waiting-queue bound; beyond it new requests are refused (HTTP 429)")
     request_timeout_s: float | None = Field(None, gt=0, description="per-request deadline in seconds, from arrival; None = none")
+    max_stop_string_chars: int = Field(256, ge=1, le=1 << 16, description="longest stop string a request may give (stop matching scans this much text per token)")
 
 
 class ServerConfig(_Section):

@@ -26,13 +26,14 @@ class IncrementalDetokenizer:
         self._emitted = 0  # chars of self.text already handed out
         self.stopped_on: str | None = None  # the stop string matched, if any
 
-    def add_token(self, token_id: int) -> str | None:
-        """Append one token; returns the stop string if this token completed one."""
+    def add_token(self, token_id: int, *, check_stop: bool = True) -> str | None:
+        """Append one token; returns the stop string if this token completed one (only looked for
+        when ``check_stop``; the scan covers the new text plus a stop string's length before it)."""
         if self.stopped_on is not None:
             return self.stopped_on
         before = len(self.text)
         self.text += self._decoder.decode(self._tokenizer.token_bytes(token_id))
-        return self._check_stop(before)
+        return self._check_stop(before) if check_stop else None
 
     def finish(self) -> None:
         """End of sequence: flush an incomplete trailing character (as U+FFFD)."""

@@ -113,6 +113,10 @@ class LLMEngine:
         Raises ValueError without touching engine state, so a caller can check a whole batch first.
         """
         params.check_vocab(self.tokenizer.vocab_size)
+        limit = self.config.scheduler.max_stop_string_chars
+        too_long = [s for s in params.stop if len(s) > limit]
+        if too_long:
+            raise ValueError(f"stop string of {len(too_long[0])} characters exceeds max_stop_string_chars ({limit})")
         ids = self.tokenize_prompt(prompt)
         self.resolve_max_tokens(len(ids), params)
         return ids
@@ -222,7 +226,9 @@ class LLMEngine:
                 req.metrics.first_token_time = now
             req.metrics.last_token_time = now
             stop = group.on_token(index, by_id[req.request_id])
-            if stop is not None and not req.status.is_finished:
+            if stop is not None and req.status is RequestStatus.FINISHED_LENGTH:
+                req.status = RequestStatus.FINISHED_STOPPED  # the last allowed token completed a stop string
+            if stop is not None and req.status in (RequestStatus.RUNNING, RequestStatus.FINISHED_STOPPED):
                 req.stop_reason = stop
                 self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
             touched[group.group_id] = group

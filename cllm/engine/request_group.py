@@ -36,7 +36,9 @@ class RequestGroup:
         child = self.children[index]
         if child.params.logprobs is not None:
             child.output_logprobs.append(self._logprob(sampled))
-        return self._detoks[index].add_token(sampled.token_id)
+        # min_tokens holds stop strings back as it holds back EOS and stop token ids.
+        return self._detoks[index].add_token(sampled.token_id,
+                                             check_stop=child.num_output_tokens >= child.params.min_tokens)
 
     def _logprob(self, s: SampledToken) -> TokenLogprob:
         tok = self._tokenizer

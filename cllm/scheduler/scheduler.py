@@ -175,7 +175,8 @@ class Scheduler:
                 got_token.append(req)
                 status = self._stop_status(req, token)
                 if status is not None:
-                    req.stop_reason = token if status == RequestStatus.FINISHED_STOPPED else None
+                    # As vLLM: a stop token id is the stop_reason; EOS (and length) leave it null.
+                    req.stop_reason = token if token in req.params.stop_token_ids else None
                     self.finish(req, status)
         return got_token
 
