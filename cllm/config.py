@@ -38,7 +38,8 @@ class LlamaCppConfig(_Section):
     n_ubatch: int = Field(512, ge=1, le=1 << 16, description="physical micro-batch size inside llama_decode")
     flash_attn: bool = Field(False, description="use llama.cpp's flash attention kernels")
     prefix_cache: bool = Field(True, description="keep finished sequences' KV in idle slots for prefix reuse")
-    kv_unified: bool = Field(False, description="false = n_ctx/n_seq_max KV cells per sequence, outputs independent of batch-mates; true = one pool shared by all sequences (one may use all of n_ctx) but greedy outputs then vary slightly with batch composition")
+    slot_prompt_similarity: float = Field(0.5, ge=0.0, le=1.0, description="a cached prefix is reused only when it covers at least this fraction of the new prompt (as llama-server's --slot-prompt-similarity); otherwise the request takes an empty slot, else the least recently used one, so a shared BOS or chat header never evicts a long cached conversation")
+    kv_unified: bool = Field(False, description="false = n_ctx/n_seq_max KV cells per sequence (no sequence attends to another's cells), as llama-server; true = one pool shared by all sequences (one may use all of n_ctx). Either way batch composition can change logits by float rounding (README, Reproducibility)")
 
 
 class TorchConfig(_Section):

@@ -60,3 +60,30 @@ def test_best_prefix_prefers_longest_then_idle():
     assert common_prefix_len([1, 2], [1, 3]) == 1
     with pytest.raises(ValueError):
         SeqSlotPool(size=0)
+
+
+def test_choose_ignores_a_short_match_and_prefers_an_empty_slot():
+    # Issue 9 defect 8: a prompt sharing only a header must not evict a long cached conversation.
+    pool = SeqSlotPool(size=3)
+    conversation = [1, 2, 3] + list(range(100, 2100))
+    cached = pool.idle()[0]
+    cached.tokens = list(conversation)
+    unrelated = [1, 2, 3, 7, 8, 9, 10, 11]
+    slot, match = pool.choose(unrelated, min_match=4)
+    assert slot is not cached and not slot.tokens and match is None
+    header_heavy = [1, 2, 3, 7]  # a useful match, but reusing in place would cut 2,000 tokens
+    slot, match = pool.choose(header_heavy, min_match=2)
+    assert slot is not cached and not slot.tokens and match.slot is cached and match.length == 3
+    follow_up = conversation + [5, 6]
+    slot, match = pool.choose(follow_up, min_match=len(follow_up) // 2)
+    assert slot is cached and match.length == len(conversation)
+
+
+def test_choose_takes_the_least_recently_used_slot_when_none_is_empty():
+    pool = SeqSlotPool(size=2)
+    a, b = pool.idle()
+    pool.acquire("x", a), pool.release("x")
+    pool.acquire("y", b), pool.release("y")
+    a.tokens, b.tokens = [1, 2, 3, 4], [1, 9, 9, 9]
+    slot, match = pool.choose([1, 5, 6, 7], min_match=2)
+    assert slot is a and match is None  # a was used longest ago; the 1-token match is not worth it

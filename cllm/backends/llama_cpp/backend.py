@@ -19,6 +19,7 @@ Design decisions a reader would otherwise rediscover:
 """
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Sequence
 
@@ -58,6 +59,7 @@ class LlamaCppBackend(Backend):
         self._tokenizer = LlamaCppTokenizer(model=self._model)
         self._pool = SeqSlotPool(size=m.n_seq_max)
         self._prefix_cache = lc.prefix_cache
+        self._similarity = lc.slot_prompt_similarity
         self._unified = lc.kv_unified
         seq_cells = self._ctx.n_ctx if lc.kv_unified else self._ctx.n_ctx // m.n_seq_max
         self._capacity = BackendCapacity(
@@ -99,19 +101,19 @@ class LlamaCppBackend(Backend):
     def admit(self, sequence_id: str, token_ids: Sequence[int]) -> Admission | None:
         tokens = list(token_ids)
         with self._pool.lock:
-            idle = self._pool.idle()
-            if not idle:
+            min_match = max(1, math.ceil(self._similarity * len(tokens))) if self._prefix_cache else 0
+            choice = self._pool.choose(tokens, min_match=min_match)
+            if choice is None:
                 return None
-            match = self._pool.best_prefix(tokens) if self._prefix_cache else None
-            if match is not None and match.slot.owner is None:
-                slot, cached = match.slot, match.length
-            else:
-                slot = min(idle, key=lambda s: (len(s.tokens) > 0, s.last_used))
-                cached = 0
+            slot, match = choice
+            cached = match.length if match is not None and match.slot is slot else 0
             self._pool.acquire(sequence_id, slot)
             cached = min(cached, len(tokens) - 1)
             self._truncate(slot, cached)
-            if cached == 0 and match is not None and match.slot.owner is not None:
+            # Recurrent/hybrid memory refuses partial removal and _truncate empties the slot: the
+            # cached count is what the slot really still holds, never what it held before.
+            cached = min(cached, len(slot.tokens))
+            if cached == 0 and match is not None and match.slot is not slot:
                 cached = self._copy_prefix(match.slot, slot, min(match.length, len(tokens) - 1))
             slot.reserved = len(slot.tokens)
         self._queried_tokens += len(tokens)
@@ -131,7 +133,7 @@ class LlamaCppBackend(Backend):
                 del slot.tokens[keep:]
 
     def _copy_prefix(self, src: Slot, dst: Slot, length: int) -> int:
-        """Give ``dst`` the first ``length`` KV cells of a live sequence (llama_memory_seq_cp).
+        """Give ``dst`` the first ``length`` KV cells of another sequence (llama_memory_seq_cp).
 
         In a unified cache the cells are shared; across split KV streams llama.cpp
         can only copy a whole stream, so the copy's tail is cut off afterwards,

@@ -81,6 +81,30 @@ class SeqSlotPool:
                     best = PrefixMatch(slot, n)
             return best
 
+    def choose(self, tokens: list[int], *, min_match: int) -> tuple[Slot, PrefixMatch | None] | None:
+        """The idle slot a prompt should take, and the prefix match worth reusing (None if none).
+
+        A match counts only when it is at least ``min_match`` tokens long; without one the prompt
+        takes an empty slot, else the least recently used idle slot. When the returned match lives
+        in another slot, the caller may copy the prefix from it. None when no slot is idle.
+        """
+        with self.lock:
+            idle = self.idle()
+            if not idle:
+                return None
+            match = self.best_prefix(tokens) if min_match > 0 else None
+            if match is not None and match.length < min_match:
+                match = None
+            empty = [s for s in idle if not s.tokens]
+            if match is not None and match.slot.owner is None:
+                # Reusing the slot in place cuts its KV after the match; when that would lose more
+                # than it keeps and an empty slot is free, take the empty one (the caller copies the
+                # prefix over), so a short shared header never destroys a long cached conversation.
+                if empty and len(match.slot.tokens) - match.length > match.length:
+                    return empty[0], match
+                return match.slot, match
+            return (empty[0] if empty else idle[0]), match
+
     def acquire(self, request_id: str, slot: Slot) -> Slot:
         """Give the idle ``slot`` to ``request_id``."""
         with self.lock:

@@ -1,0 +1,56 @@
+"""Issue 9 defects 8 and 9 on the real model: which slot a prompt takes, and what it reports cached."""
+from __future__ import annotations
+
+import pytest
+
+import cllm
+
+GREEDY = cllm.SamplingParams(max_tokens=8, temperature=0)
+CONVERSATION = [{"role": "user", "content": "Tell me a long story about a dragon who learns to bake bread. " * 8}]
+
+
+@pytest.fixture()
+def llm():
+    with cllm.LLM(n_threads=1, n_seq_max=4) as llm:
+        yield llm
+
+
+def test_unrelated_prompt_leaves_a_cached_conversation_alone(llm):
+    llm.chat(CONVERSATION, GREEDY)
+    backend = llm.engine.backend
+    held = [s for s in backend._pool.idle() if s.tokens]
+    assert len(held) == 1 and len(held[0].tokens) > 100
+    conversation_tokens = list(held[0].tokens)
+    llm.chat([{"role": "user", "content": "Hi"}], GREEDY)  # shares only the chat header
+    assert any(s.tokens == conversation_tokens for s in backend._pool.idle())
+    again = llm.chat(CONVERSATION, GREEDY)[0]
+    assert again.usage.cached_tokens >= len(conversation_tokens) - 9  # the whole prompt but its last token
+
+
+class _NoPartialRemoval:
+    """The llama.cpp context as a recurrent model's memory behaves: partial seq_rm is refused."""
+
+    def __init__(self, ctx):
+        self._ctx = ctx
+
+    def seq_rm(self, seq_id, p0=-1, p1=-1):
+        if p0 > 0:
+            return False
+        return self._ctx.seq_rm(seq_id, p0, p1)
+
+    def __getattr__(self, name):
+        return getattr(self._ctx, name)
+
+
+def test_refused_partial_removal_reports_nothing_cached_and_decodes_correctly():
+    prompt_a = "The history of bread begins in the ancient Near East, where people"
+    prompt_b = "The history of bread begins in the ancient Near East. Later, in Rome,"
+    with cllm.LLM(n_threads=1, n_seq_max=2, prefix_cache=False) as plain:
+        expected = plain.generate([prompt_b], GREEDY)[0].outputs[0].token_ids
+    with cllm.LLM(n_threads=1, n_seq_max=1, slot_prompt_similarity=0.1) as llm:
+        backend = llm.engine.backend
+        backend._ctx = _NoPartialRemoval(backend._ctx)
+        llm.generate([prompt_a], GREEDY)
+        out = llm.generate([prompt_b], GREEDY)[0]
+    assert out.usage.cached_tokens == 0  # the slot had to be emptied, and admit says so
+    assert out.outputs[0].token_ids == expected  # both evaluated the whole prompt fresh and alone
