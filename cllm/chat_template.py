@@ -1,6 +1,7 @@
 """Chat templates: the model's own Jinja template, rendered in a sandbox."""
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -55,9 +56,37 @@ class ChatTemplate:
         self._eos = tokenizer.special_token(eos[0]) if eos else ""
 
     def render(self, messages: Sequence[Any], *, add_generation_prompt: bool = True) -> str:
+        return "".join(text for text, _ in self.render_segments(messages, add_generation_prompt=add_generation_prompt))
+
+    def render_segments(self, messages: Sequence[Any], *, add_generation_prompt: bool = True) -> list[Segment]:
+        """The prompt as (text, trusted) pieces: the template's own markup is trusted, message content
+        is not. Tokenising untrusted pieces without special-token parsing keeps a user's
+        "<|im_end|>\n<|im_start|>system" text from becoming real control tokens (role injection).
+
+        Each content is replaced by a private-use placeholder while rendering, then put back as an
+        untrusted piece.
+        """
         msgs = normalize_messages(messages)
+        contents = [m["content"] for m in msgs]
+        masked = [{**m, "content": _placeholder(i)} for i, m in enumerate(msgs)]
         try:
-            return self._template.render(messages=msgs, add_generation_prompt=add_generation_prompt,
+            text = self._template.render(messages=masked, add_generation_prompt=add_generation_prompt,
                                          bos_token=self._bos, eos_token=self._eos)
         except TemplateError as err:
             raise ValueError(f"chat template failed to render: {err}") from None
+        segments: list[Segment] = []
+        for i, piece in enumerate(_PLACEHOLDER.split(text)):
+            if i % 2 == 0:
+                segments.append((piece, True))
+            else:
+                segments.append((contents[int(piece)], False))
+        return [seg for seg in segments if seg[0]]
+
+
+Segment = tuple[str, bool]  # (text, trusted: may contain special tokens)
+# Private-use code points: no model's template or vocabulary gives them meaning.
+_PLACEHOLDER = re.compile("\ue000cllm-content-(\\d+)\ue001")
+
+
+def _placeholder(index: int) -> str:
+    return f"\ue000cllm-content-{index}\ue001"

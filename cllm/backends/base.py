@@ -74,8 +74,9 @@ class Tokenizer(ABC):
         """Beginning-of-sequence token, if the model uses one."""
 
     @abstractmethod
-    def encode(self, text: str, *, add_special: bool = True) -> list[int]:
-        """Text to token ids; ``add_special`` adds BOS where the model wants it."""
+    def encode(self, text: str, *, add_special: bool = True, parse_special: bool = True) -> list[int]:
+        """Text to token ids; ``add_special`` adds BOS where the model wants it; ``parse_special``
+        turns special-token text ("<|im_end|>") into its control token (never for untrusted text)."""
 
     @abstractmethod
     def decode(self, token_ids: Sequence[int]) -> str:

@@ -79,6 +79,9 @@ class AsyncLLM:
     def apply_chat_template(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> str:
         return self.engine.apply_chat_template(messages, add_generation_prompt)
 
+    def tokenize_chat(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> list[int]:
+        return self.engine.tokenize_chat(messages, add_generation_prompt)
+
     def stats(self) -> EngineStats:
         with self._state_lock:
             return self.engine.stats()

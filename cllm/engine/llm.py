@@ -69,7 +69,7 @@ class LLM:
              *, use_tqdm: bool = False) -> list[RequestOutput]:
         """Chat completion(s) with the model's chat template; one conversation or a list of them."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [self.engine.apply_chat_template(c) for c in conversations]
+        prompts = [self.engine.tokenize_chat(c) for c in conversations]
         return self.generate(prompts, params, use_tqdm=use_tqdm)
 
     def _feed(self, pending: list[tuple], ids: list[str]) -> None:

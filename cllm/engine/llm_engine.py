@@ -56,6 +56,23 @@ class LLMEngine:
             self._chat = ChatTemplate(self.tokenizer)
         return _valid_text(self._chat.render(messages, add_generation_prompt=add_generation_prompt), "messages")
 
+    def tokenize_chat(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of a conversation: the template's markup may hold special tokens, message content
+        never does (its text is tokenised without special-token parsing: no role injection)."""
+        if self._chat is None:
+            self._chat = ChatTemplate(self.tokenizer)
+        segments = self._chat.render_segments(messages, add_generation_prompt=add_generation_prompt)
+        bos = self.tokenizer.bos_token_id
+        text = "".join(t for t, _ in segments)
+        add_bos = not (bos is not None and text.startswith(self.tokenizer.special_token(bos)))
+        ids: list[int] = []
+        for i, (piece, trusted) in enumerate(segments):
+            _valid_text(piece, "messages")
+            ids += self.tokenizer.encode(piece, add_special=add_bos and i == 0, parse_special=trusted)
+        if not ids:
+            raise ValueError("messages render to an empty prompt")
+        return ids
+
     def tokenize_prompt(self, prompt: Prompt) -> list[int]:
         """Validated prompt token ids (ValueError on an empty or out-of-vocabulary prompt)."""
         if isinstance(prompt, str):

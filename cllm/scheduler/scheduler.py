@@ -115,7 +115,8 @@ class Scheduler:
         self.running.remove(req)
         if self.swap and req.num_computed_tokens > 0:
             req.swapped_state = self.backend.save_state(req.request_id)
-            self.backend.release(req.request_id, keep_cache=False)
+            # Swapped-out KV is valid: keep it as prefix cache (other live sequences may share it).
+            self.backend.release(req.request_id, keep_cache=True)
         else:
             self.backend.release(req.request_id, keep_cache=True)
             req.num_computed_tokens = 0
@@ -148,8 +149,15 @@ class Scheduler:
         ok = self.backend.reserve(req.request_id, req.num_computed_tokens + n)
         if ok and req.swapped_state is not None:
             ok = self.backend.restore_state(req.request_id, req.swapped_state, req.all_token_ids[: req.num_computed_tokens])
+            if not ok:
+                # Retrying the same restore could fail forever and spin the loop with the queue head
+                # stuck: fall back to recompute, which the next admission does like any other.
+                req.swapped_state = None
+                req.num_computed_tokens = 0
         if not ok:
-            self.backend.release(req.request_id, keep_cache=req.swapped_state is None)
+            # A rollback: what the admission matched is valid cache (a failed restore leaves nothing
+            # claimed), so keep it; dropping it would withdraw blocks that live sequences share.
+            self.backend.release(req.request_id, keep_cache=True)
             return None
         req.swapped_state = None
         return n

@@ -36,8 +36,9 @@ log = logging.getLogger("cllm.server")
 _NORMAL_FINISH = ("stop", "length")
 
 
-def render_chat(engine: Any, messages: list[ChatMessage], add_generation_prompt: bool = True) -> str:
-    """The prompt text for ``messages``; 400 naming the message for anything the template cannot take."""
+def render_chat(engine: Any, messages: list[ChatMessage], add_generation_prompt: bool = True) -> list[int]:
+    """The prompt token ids for ``messages`` (content never parsed into special tokens); 400 naming
+    the message for anything the template cannot take."""
     if not messages:
         raise bad_request("messages must not be empty", param="messages")
     plain: list[dict[str, str]] = []
@@ -52,7 +53,7 @@ def render_chat(engine: Any, messages: list[ChatMessage], add_generation_prompt:
             entry["name"] = message.name
         plain.append(entry)
     try:
-        return str(engine.apply_chat_template(plain, add_generation_prompt=add_generation_prompt))
+        return list(engine.tokenize_chat(plain, add_generation_prompt=add_generation_prompt))
     except Exception as exc:  # template errors (jinja raise_exception …) are about the messages given
         log.info("chat template refused the messages: %s", exc)
         raise bad_request(f"invalid messages for this model's chat template: {exc}", param="messages") from None

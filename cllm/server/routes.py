@@ -76,13 +76,13 @@ async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
     model = state.require_loaded()
     state.check_model(body.model)
     if body.messages is not None:
-        text = render_chat(model.engine, body.messages, body.add_generation_prompt is not False)
+        tokens = render_chat(model.engine, body.messages, body.add_generation_prompt is not False)
     else:
-        text = body.prompt or ""
-    try:
-        tokens = encode_prompt(model.engine.tokenizer, text, add_special=body.add_special_tokens is not False)
-    except (ValueError, TypeError) as exc:
-        raise bad_request(f"cannot tokenize: {exc}", param="prompt") from None
+        try:
+            tokens = encode_prompt(model.engine.tokenizer, body.prompt or "",
+                                   add_special=body.add_special_tokens is not False)
+        except (ValueError, TypeError) as exc:
+            raise bad_request(f"cannot tokenize: {exc}", param="prompt") from None
     return TokenizeResponse(tokens=tokens, count=len(tokens), max_model_len=model.max_model_len)
 
 

@@ -11,11 +11,12 @@ def encode_prompt(tokenizer: Any, text: str, *, add_special: bool = True) -> lis
     return list(tokenizer.encode(text, add_special=add_special and not starts_with_bos))
 
 
-def default_max_tokens(tokenizer: Any, prompt: str, *, max_model_len: int, limit: int) -> int | None:
+def default_max_tokens(tokenizer: Any, prompt: str | list[int], *, max_model_len: int, limit: int) -> int | None:
     """``max_tokens`` for a request that gave none: what the context leaves, capped at the server limit.
 
     None when the prompt alone fills the context, so the engine reports that
     with its own context_length_exceeded error.
     """
-    room = max_model_len - len(encode_prompt(tokenizer, prompt))
+    num_prompt = len(prompt) if isinstance(prompt, list) else len(encode_prompt(tokenizer, prompt))
+    room = max_model_len - num_prompt
     return min(room, limit) if room >= 1 else None

@@ -1,6 +1,8 @@
 """Issue 9 defects 8 and 9 on the real model: which slot a prompt takes, and what it reports cached."""
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 import cllm
@@ -54,3 +56,14 @@ def test_refused_partial_removal_reports_nothing_cached_and_decodes_correctly():
         out = llm.generate([prompt_b], GREEDY)[0]
     assert out.usage.cached_tokens == 0  # the slot had to be emptied, and admit says so
     assert out.outputs[0].token_ids == expected  # both evaluated the whole prompt fresh and alone
+
+
+def test_llama_cpp_warnings_reach_python_logging_at_warning_level(caplog):
+    # Issue 9 defect 10: one sequence with n_ctx above the trained context makes llama.cpp warn.
+    caplog.set_level(logging.DEBUG, logger="cllm.llama_cpp")
+    with cllm.LLM(n_threads=1, n_seq_max=1, n_ctx=16384):
+        pass
+    warnings = [r for r in caplog.records if r.name == "cllm.llama_cpp" and r.levelno == logging.WARNING]
+    assert any("n_ctx_train" in r.getMessage() for r in warnings)
+    assert not any(r.levelno >= logging.ERROR for r in caplog.records if r.name == "cllm.llama_cpp")
+    assert any(r.levelno == logging.DEBUG for r in caplog.records if r.name == "cllm.llama_cpp")  # load chatter

@@ -33,7 +33,7 @@ class ByteTokenizer(Tokenizer):
     def bos_token_id(self) -> int | None:
         return None
 
-    def encode(self, text: str, *, add_special: bool = True) -> list[int]:
+    def encode(self, text: str, *, add_special: bool = True, parse_special: bool = True) -> list[int]:
         return [(ord(c) - 0x61) % 26 for c in text]
 
     def token_bytes(self, token_id: int) -> bytes:
@@ -67,6 +67,7 @@ class FakeBackend(Backend):
         self.batches: list[tuple[list[int], list[int], list[str]]] = []
         self.fail_when: set[str] = set()  # sequences whose batches fail
         self.released: list[str] = []
+        self.dropped_cache: list[str] = []  # released with keep_cache=False
 
     @property
     def capacity(self) -> BackendCapacity:
@@ -108,6 +109,8 @@ class FakeBackend(Backend):
     def release(self, sequence_id: str, *, keep_cache: bool = True) -> None:
         if self.held.pop(sequence_id, None) is not None:
             self.released.append(sequence_id)
+            if not keep_cache:
+                self.dropped_cache.append(sequence_id)
         self.kv.pop(sequence_id, None)
 
     def num_free_slots(self) -> int:

@@ -60,6 +60,9 @@ def test_prefix_hit_shares_blocks_and_counts_refs() -> None:
     assert cached == 8
     assert bm.sequence("b").block_ids == a_table[:2]
     assert bm.ref_count(a_table[0]) == 2 and bm.ref_count(a_table[1]) == 2
+    assert (bm.queried_tokens, bm.hit_tokens) == (10, 0)  # b is counted once it runs
+    assert bm.reserve("b", 11)
+    bm.record_computed("b", 8, [99, 98])
     assert (bm.queried_tokens, bm.hit_tokens) == (10 + 11, 8)
     bm.release("a")
     assert bm.ref_count(a_table[0]) == 1  # b still holds it
@@ -219,3 +222,30 @@ def test_truncate_lets_go_of_shared_blocks_and_keeps_the_table_length() -> None:
     bm.release("a")
     bm.release("b")
     assert bm.num_free_blocks == 8
+
+
+# ---- issue 9 defect 18 -------------------------------------------------------------------
+
+def test_chain_digest_is_blake2b_not_python_hash() -> None:
+    digest = chain_hash(None, [1, 2, 3, 4])
+    assert isinstance(digest, bytes) and len(digest) == 16
+    assert chain_hash(None, [1, 2, 3, 4]) == digest and chain_hash(digest, [1, 2, 3, 4]) != digest
+
+
+def test_a_digest_collision_never_serves_other_tokens_kv(monkeypatch) -> None:
+    from cllm.backends.torch import block_manager
+    monkeypatch.setattr(block_manager, "chain_hash", lambda parent, tokens: b"always-the-same")
+    bm = make(8)
+    fill(bm, "victim", [1, 2, 3, 4, 5, 6, 7, 8, 9])
+    assert bm.num_cached_blocks >= 1
+    assert bm.admit("attacker", [9, 9, 9, 9, 9, 9, 9, 9, 9]) == 0  # same digest, other tokens: a miss
+    assert bm.admit("same", [1, 2, 3, 4, 5, 6, 7, 8, 0]) == 4  # the genuine prefix still hits
+
+
+def test_rolled_back_admission_is_not_counted_as_a_hit() -> None:
+    bm = make(8)
+    fill(bm, "a", list(range(10)))
+    before = (bm.queried_tokens, bm.hit_tokens)
+    assert bm.admit("b", list(range(9)) + [99]) == 8
+    bm.release("b")  # the scheduler could not reserve room and rolled the admission back
+    assert (bm.queried_tokens, bm.hit_tokens) == before

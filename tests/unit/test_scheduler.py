@@ -132,6 +132,8 @@ def test_preemption_when_kv_runs_out_and_resume(mode):
     engine.add_request([10, 11, 12, 13, 14], params, request_id="second")
     final = run_all(engine)
     assert engine.scheduler.num_preemptions >= 1
+    # a preempted sequence's KV is valid either way: it stays prefix cache (issue 9 defect 18)
+    assert backend.dropped_cache == []
     assert final["first"].outputs[0].token_ids == [(6 + i) % 64 for i in range(15)]
     assert final["second"].outputs[0].token_ids == [(15 + i) % 64 for i in range(15)]
     assert backend.held == {}
@@ -181,3 +183,16 @@ def test_n_greater_than_one_gives_n_choices():
     assert [c.index for c in out.outputs] == [0, 1, 2]
     assert all(c.token_ids == [2, 3, 4] for c in out.outputs)
     assert out.usage.completion_tokens == 9
+
+
+def test_failed_swap_restore_falls_back_to_recompute():
+    # Issue 9 defect 6: a restore that always fails must not block the queue head forever.
+    engine, backend = make_engine(FakeBackend(slots=2, kv_tokens=24), preemption_mode="swap")
+    backend.restore_state = lambda *args, **kwargs: False
+    params = SamplingParams(max_tokens=15, temperature=0)
+    engine.add_request([1, 2, 3, 4, 5], params, request_id="first")
+    engine.add_request([10, 11, 12, 13, 14], params, request_id="second")
+    final = run_all(engine, max_steps=500)
+    assert engine.scheduler.num_preemptions >= 1
+    assert final["first"].outputs[0].token_ids == [(6 + i) % 64 for i in range(15)]
+    assert final["second"].outputs[0].token_ids == [(15 + i) % 64 for i in range(15)]

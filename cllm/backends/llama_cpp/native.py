@@ -15,7 +15,6 @@ import llama_cpp as C
 import numpy as np
 
 log = logging.getLogger("cllm.llama_cpp")
-_GGML_LOG_LEVEL_ERROR = 3
 _backend_once = threading.Lock()
 _backend_ready = False
 
@@ -30,11 +29,22 @@ def _init_llama_backend() -> None:
             _backend_ready = True
 
 
+# ggml log levels -> Python levels. llama.cpp's INFO is per-tensor load chatter: DEBUG here.
+_LOG_LEVELS = {1: logging.DEBUG, 2: logging.DEBUG, 3: logging.WARNING, 4: logging.ERROR}
+_GGML_LOG_LEVEL_CONT = 5  # continues the previous message at its level
+_last_level = [logging.DEBUG]
+
+
 @C.llama_log_callback
 def _silent_log(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
-    """llama.cpp logs every load detail to stderr; keep only its errors, in our log."""
-    if level == _GGML_LOG_LEVEL_ERROR:
-        log.error("llama.cpp: %s", text.decode("utf-8", "replace").rstrip())
+    """Route llama.cpp's log into the `cllm.llama_cpp` logger, each line at its own level, so warnings
+    show at the configured log level and load chatter only at DEBUG."""
+    py_level = _last_level[0] if level == _GGML_LOG_LEVEL_CONT else _LOG_LEVELS.get(level, logging.DEBUG)
+    _last_level[0] = py_level
+    if log.isEnabledFor(py_level):
+        message = text.decode("utf-8", "replace").rstrip()
+        if message:
+            log.log(py_level, "llama.cpp: %s", message)
 
 
 class LlamaModelHandle:

@@ -39,15 +39,15 @@ class LlamaCppTokenizer(Tokenizer):
     def chat_template(self) -> str | None:
         return self._template
 
-    def encode(self, text: str, *, add_special: bool = True) -> list[int]:
+    def encode(self, text: str, *, add_special: bool = True, parse_special: bool = True) -> list[int]:
         raw = text.encode("utf-8")
         cap = len(raw) + 8
         buf = (C.llama_token * cap)()
-        n = C.llama_tokenize(self._vocab, raw, len(raw), buf, cap, add_special, True)
+        n = C.llama_tokenize(self._vocab, raw, len(raw), buf, cap, add_special, parse_special)
         if n < 0:  # buffer too small: -n is the size needed
             cap = -n
             buf = (C.llama_token * cap)()
-            n = C.llama_tokenize(self._vocab, raw, len(raw), buf, cap, add_special, True)
+            n = C.llama_tokenize(self._vocab, raw, len(raw), buf, cap, add_special, parse_special)
         if n < 0:
             raise ValueError(f"llama.cpp failed to tokenize a text of {len(raw)} bytes")
         return list(buf[:n])

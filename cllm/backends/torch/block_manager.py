@@ -5,7 +5,7 @@ tensors live in :mod:`kv_cache`. Design (vLLM v1's KVCacheManager, trimmed):
 
 - Every block has a ref count: the number of live sequences whose table holds it.
 - A FULL block whose tokens were computed gets a chained hash
-  ``hash((parent_hash, tuple(block_tokens)))`` and is entered in ``_cached``,
+  BLAKE2b digest of (parent digest, block tokens) and is entered in ``_cached``,
   so a later sequence with the same prefix can share it.
 - A block whose ref count drops to 0 goes to the free queue. If it has a hash
   it still answers prefix lookups until it is taken for new data (LRU: the
@@ -14,9 +14,13 @@ tensors live in :mod:`kv_cache`. Design (vLLM v1's KVCacheManager, trimmed):
 """
 from __future__ import annotations
 
+import hashlib
+
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+import numpy as np
 
 
 @dataclass(slots=True)
@@ -25,7 +29,9 @@ class Block:
 
     block_id: int  # index into the KV tensors' block dimension
     ref_count: int = 0  # live sequences holding it in their table
-    block_hash: int | None = None  # chained prefix hash once full and computed; None = not shareable
+    block_hash: bytes | None = None  # chained prefix digest once full and computed; None = not shareable
+    parent_hash: bytes | None = None  # the previous block's digest when hashed (None for a first block)
+    tokens: tuple[int, ...] = ()  # the block's tokens when hashed, compared on every cache hit
 
 
 @dataclass(slots=True)
@@ -35,12 +41,20 @@ class SequenceBlocks:
     block_ids: list[int] = field(default_factory=list)  # block table: position p lives in block_ids[p // block_size]
     token_ids: list[int] = field(default_factory=list)  # tokens known so far (admitted prompt, then what forward saw)
     num_computed: int = 0  # leading tokens whose K/V are in the cache
-    chain: list[int] = field(default_factory=list)  # chain hash of each leading full computed block, in order
+    chain: list[bytes] = field(default_factory=list)  # chain digest of each leading full computed block, in order
+    cached_at_admission: int | None = None  # prefix-cache hit of the admission, until counted in the stats
 
 
-def chain_hash(parent_hash: int | None, block_tokens: Sequence[int]) -> int:
-    """Hash of a full block, chained on its predecessor so equal blocks at different prefixes differ."""
-    return hash((parent_hash, tuple(block_tokens)))
+def chain_hash(parent_hash: bytes | None, block_tokens: Sequence[int]) -> bytes:
+    """Digest of a full block, chained on its predecessor so equal blocks at different prefixes differ.
+
+    BLAKE2b, not Python's 64-bit hash(): a client must not be able to craft a prompt whose blocks
+    collide with another user's and be served their KV (vLLM's CVE-2025-25183). Hits also compare
+    tokens (``_match_prefix``), so even a collision cannot serve wrong KV.
+    """
+    digest = hashlib.blake2b(parent_hash or b"root", digest_size=16)
+    digest.update(np.asarray(block_tokens, dtype=np.int64).tobytes())
+    return digest.digest()
 
 
 class BlockManager:
@@ -54,7 +68,7 @@ class BlockManager:
         self._blocks = [Block(i) for i in range(num_blocks)]
         # Free blocks (ref_count 0) in eviction order: the first is handed out first.
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
-        self._cached: dict[int, int] = {}  # block hash -> block id, for full computed blocks
+        self._cached: dict[bytes, int] = {}  # block digest -> block id, for full computed blocks
         self._seqs: dict[str, SequenceBlocks] = {}
         self.queried_tokens = 0  # prompt tokens looked up at admission, since start
         self.hit_tokens = 0  # of those, served from the prefix cache
@@ -91,7 +105,7 @@ class BlockManager:
     def ref_count(self, block_id: int) -> int:
         return self._blocks[block_id].ref_count
 
-    def block_hash(self, block_id: int) -> int | None:
+    def block_hash(self, block_id: int) -> bytes | None:
         return self._blocks[block_id].block_hash
 
     # ----- admission -------------------------------------------------------------------------
@@ -113,20 +127,24 @@ class BlockManager:
         seq.chain = [self._blocks[b].block_hash for b in seq.block_ids]
         seq.num_computed = len(seq.block_ids) * self.block_size
         self._seqs[seq_id] = seq
-        self.queried_tokens += len(seq.token_ids)
-        self.hit_tokens += seq.num_computed
+        seq.cached_at_admission = seq.num_computed  # counted once the sequence really runs
         return seq.num_computed
 
     def _match_prefix(self, token_ids: list[int]) -> list[int]:
         bs = self.block_size
         matched: list[int] = []
-        parent: int | None = None
+        parent: bytes | None = None
         for start in range(0, max(len(token_ids) - 1, 0) // bs * bs, bs):
-            parent = chain_hash(parent, token_ids[start : start + bs])
-            block_id = self._cached.get(parent)
+            block_tokens = tuple(token_ids[start : start + bs])
+            digest = chain_hash(parent, block_tokens)
+            block_id = self._cached.get(digest)
             if block_id is None:
                 break
+            block = self._blocks[block_id]
+            if block.tokens != block_tokens or block.parent_hash != parent:
+                break  # a digest collision: never serve KV computed for other tokens
             matched.append(block_id)
+            parent = digest
         return matched
 
     def _take(self, block_id: int) -> None:
@@ -165,6 +183,11 @@ class BlockManager:
     def record_computed(self, seq_id: str, start: int, token_ids: Sequence[int]) -> None:
         """Note that ``token_ids`` at positions ``start..`` now have K/V; hash blocks that became full."""
         seq = self.sequence(seq_id)
+        if seq.cached_at_admission is not None:
+            # Stats count admissions that ran, not ones the scheduler rolled back (no room to reserve).
+            self.queried_tokens += len(seq.token_ids)
+            self.hit_tokens += seq.cached_at_admission
+            seq.cached_at_admission = None
         end = start + len(token_ids)
         seq.token_ids[start:end] = token_ids
         seq.num_computed = max(seq.num_computed, end)
@@ -174,13 +197,15 @@ class BlockManager:
         bs = self.block_size
         while (len(seq.chain) + 1) * bs <= seq.num_computed:
             index = len(seq.chain)
-            block_hash = chain_hash(seq.chain[-1] if seq.chain else None, seq.token_ids[index * bs : (index + 1) * bs])
+            parent = seq.chain[-1] if seq.chain else None
+            block_tokens = tuple(seq.token_ids[index * bs : (index + 1) * bs])
+            block_hash = chain_hash(parent, block_tokens)
             seq.chain.append(block_hash)
             block = self._blocks[seq.block_ids[index]]
             # A block whose twin is already cached (the same prefix computed by two
             # sequences at once) stays unhashed; the chain goes on by value.
             if block.block_hash is None and block_hash not in self._cached:
-                block.block_hash = block_hash
+                block.block_hash, block.parent_hash, block.tokens = block_hash, parent, block_tokens
                 self._cached[block_hash] = block.block_id
 
     def truncate(self, seq_id: str, num_tokens: int) -> None:

@@ -63,8 +63,9 @@ class HFTokenizer(Tokenizer):
     def bos_token_id(self) -> int | None:
         return self._tok.bos_token_id
 
-    def encode(self, text: str, *, add_special: bool = True) -> list[int]:
-        return list(self._tok(text, add_special_tokens=add_special)["input_ids"])
+    def encode(self, text: str, *, add_special: bool = True, parse_special: bool = True) -> list[int]:
+        ids = self._tok(text, add_special_tokens=add_special, split_special_tokens=not parse_special)["input_ids"]
+        return list(ids)
 
     def decode(self, token_ids: Sequence[int]) -> str:
         return self._tok.decode(list(token_ids), skip_special_tokens=False)
