@@ -22,7 +22,7 @@ from typing import Any
 from cllm.backends.base import Backend, Tokenizer
 from cllm.config import CllmConfig
 from cllm.engine.llm import make_engine
-from cllm.engine.llm_engine import Prompt
+from cllm.engine.llm_engine import LLMEngine, Prompt
 from cllm.engine.stats import EngineStats, RunningRequestInfo
 from cllm.errors import EngineDeadError, QueueFullError
 from cllm.model_path import resolve_model_path
@@ -57,6 +57,11 @@ class AsyncLLM:
         self._stopping = False
         self._accepting = True
         self._dead: BaseException | None = None
+        self._switching = False  # a backend switch is draining: new requests wait for it
+        self._join_timeout_s = 10.0  # how long shutdown waits for a running step
+        self._close_lock = threading.Lock()
+        self._loop_done = False  # the engine thread has left its loop (under _close_lock)
+        self._close_pending = False  # shutdown asked the engine thread to free the engine on exit
 
     # ------------------------------------------------------------------ info
     @property
@@ -114,6 +119,14 @@ class AsyncLLM:
             self._dead = err
             for rid in list(self._streams):
                 self._deliver(rid, EngineDeadError(f"engine stopped: {type(err).__name__}: {err}"))
+        finally:
+            if self._stopping:  # streams still open missed their abort (it was queued behind a long step)
+                for rid in list(self._streams):
+                    self._deliver(rid, EngineDeadError("engine shut down before this request finished"))
+            with self._close_lock:
+                self._loop_done = True
+                if self._close_pending:  # shutdown gave up waiting: free the engine now, after the step
+                    self.engine.close()
 
     def _drain_inbox(self) -> None:
         while True:
@@ -138,8 +151,12 @@ class AsyncLLM:
                        priority: int = 0, timeout_s: float | None = None) -> AsyncIterator[RequestOutput]:
         """Stream one request's outputs; each carries the deltas since the previous one."""
         params = params or SamplingParams()
+        while self._switching:  # a backend switch is draining; this request goes to the new engine
+            await asyncio.sleep(0.01)
         rid = self._admit_checks(prompt, params, request_id)
-        ids = self.engine.tokenize_prompt(prompt)
+        # Tokenising a long prompt takes a while: off the caller's event loop (issue 9 defect 17).
+        ids = await asyncio.to_thread(self.engine.tokenize_prompt, prompt) if isinstance(prompt, str) \
+            else self.engine.tokenize_prompt(prompt)
         self.engine.resolve_max_tokens(len(ids), params)
         params.check_vocab(self.tokenizer.vocab_size)
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
@@ -209,7 +226,41 @@ class AsyncLLM:
             await asyncio.sleep(0.02)
         self._submit(self._abort_all)
         await asyncio.to_thread(self._stop_thread)
+        with self._close_lock:
+            if self._thread is not None and not self._loop_done:
+                # A step is still running inside llama.cpp/torch: freeing the backend now would be a
+                # use-after-free. The engine thread frees it when the step returns.
+                log.warning("engine step still running after %.0f s; it frees the backend when it ends",
+                            self._join_timeout_s)
+                self._close_pending = True
+                return
         self.engine.close()
+
+    async def switch_backend(self, backend: str, **overrides: Any) -> None:
+        """Move to another backend without restarting: the new one loads in a thread while the old one
+        serves; then in-flight requests finish on the old engine (drain), requests that arrive
+        meanwhile wait, and the engines are swapped between two steps. If loading fails the error is
+        raised and the old backend keeps serving."""
+        config = self.config.with_overrides(backend=backend, **overrides)
+        new = await asyncio.to_thread(LLMEngine, config)
+        self._switching = True
+        try:
+            while self.engine.has_unfinished() or self._pending:
+                await asyncio.sleep(0.01)
+            swapped = threading.Event()
+
+            def swap() -> None:
+                old, self.engine, self.config = self.engine, new, config
+                old.close()
+                swapped.set()
+            if self.is_running:
+                self._submit(swap)
+                await asyncio.to_thread(swapped.wait)
+            else:
+                with self._state_lock:
+                    swap()
+        finally:
+            self._switching = False
 
     def _abort_all(self) -> None:
         for rid in self.engine.request_ids():
@@ -224,7 +275,7 @@ class AsyncLLM:
             time.sleep(0.01)
         self._stopping = True
         self._wake.set()
-        self._thread.join(timeout=10)
+        self._thread.join(timeout=self._join_timeout_s)
 
 
 def _merge(items: list[RequestOutput]) -> RequestOutput:

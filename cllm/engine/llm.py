@@ -105,12 +105,14 @@ class LLM:
     def switch_backend(self, backend: str, **overrides: Any) -> None:
         """Move this LLM to another backend (e.g. "torch"), keeping its config and sampling behaviour.
 
-        The old backend is closed first, so its memory is free for the new one.
+        The new backend is loaded first and the old one closed only after that succeeded: if loading
+        fails, the error is raised and this LLM keeps working on the old backend (both are in memory
+        for a moment).
         """
         config = self.config.with_overrides(backend=backend, **overrides)
-        self.engine.close()
-        self.config = config
-        self.engine = LLMEngine(config)
+        engine = LLMEngine(config)
+        old, self.engine, self.config = self.engine, engine, config
+        old.close()
 
     def close(self) -> None:
         self.engine.close()

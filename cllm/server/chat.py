@@ -7,6 +7,7 @@ import uuid
 from collections.abc import Iterable
 from typing import Any
 
+from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -121,7 +122,9 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     model = state.require_ready()
     state.check_model(body.model)
     reject_unsupported(body)
-    prompt = render_chat(model.engine, body.messages, body.add_generation_prompt is not False)
+    # Jinja rendering and tokenising a large conversation take a while: off the event loop, so they do
+    # not stall every other stream (issue 9 defect 17).
+    prompt = await run_in_threadpool(render_chat, model.engine, body.messages, body.add_generation_prompt is not False)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     if max_tokens is None:
         max_tokens = default_max_tokens(

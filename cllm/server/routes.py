@@ -6,6 +6,7 @@ from typing import Any
 
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse
+from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -76,11 +77,11 @@ async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
     model = state.require_loaded()
     state.check_model(body.model)
     if body.messages is not None:
-        tokens = render_chat(model.engine, body.messages, body.add_generation_prompt is not False)
+        tokens = await run_in_threadpool(render_chat, model.engine, body.messages, body.add_generation_prompt is not False)
     else:
         try:
-            tokens = encode_prompt(model.engine.tokenizer, body.prompt or "",
-                                   add_special=body.add_special_tokens is not False)
+            tokens = await run_in_threadpool(encode_prompt, model.engine.tokenizer, body.prompt or "",
+                                             add_special=body.add_special_tokens is not False)
         except (ValueError, TypeError) as exc:
             raise bad_request(f"cannot tokenize: {exc}", param="prompt") from None
     return TokenizeResponse(tokens=tokens, count=len(tokens), max_model_len=model.max_model_len)

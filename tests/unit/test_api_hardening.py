@@ -93,3 +93,92 @@ def test_stop_strings_are_capped_in_length():
     with pytest.raises(ValueError, match="max_stop_string_chars"):
         engine.add_request([0], SamplingParams(max_tokens=3, stop=["x" * 9]))
     assert not engine.has_unfinished()
+
+
+# ---- defects 4 and 5: backend switch and shutdown ------------------------------------------
+
+import asyncio  # noqa: E402
+import threading  # noqa: E402
+
+from tests.unit.fakes import make_fake_backend  # noqa: E402,F401
+
+
+class SlowClosableBackend(FakeBackend):
+    """Records close(); its forward can be held inside a step."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.closed = False
+        self.in_step = threading.Event()
+        self.release_step = threading.Event()
+        self.hold = False
+
+    def forward_batch(self, flat_ids, positions, sequence_ids, *, logits_for=None):
+        if self.hold:
+            self.in_step.set()
+            self.release_step.wait(30)
+        return super().forward_batch(flat_ids, positions, sequence_ids, logits_for=logits_for)
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_llm_switch_backend_keeps_the_old_engine_when_loading_fails():
+    backend = SlowClosableBackend(slots=4)
+    llm = cllm.LLM(backend=backend, config=fake_config())
+    with pytest.raises(FileNotFoundError):
+        llm.switch_backend("llama_cpp", model="/nonexistent/model.gguf")
+    assert not backend.closed and llm.engine.backend is backend
+    assert llm.generate([[5]], GREEDY)[0].outputs[0].token_ids == [6, 7, 8]
+
+
+def test_shutdown_never_frees_the_backend_inside_a_running_step():
+    async def main():
+        backend = SlowClosableBackend(slots=2)
+        engine = cllm.AsyncLLM(backend=backend, config=fake_config())
+        engine._join_timeout_s = 0.2
+        backend.hold = True
+
+        async def consume():
+            try:
+                async for _ in engine.generate([1], SamplingParams(max_tokens=3, temperature=0)):
+                    pass
+            except Exception:
+                pass
+        task = asyncio.create_task(consume())
+        await asyncio.to_thread(backend.in_step.wait, 10)
+        await engine.shutdown(0)
+        closed_during_step = backend.closed
+        backend.release_step.set()
+        for _ in range(500):
+            if backend.closed:
+                break
+            await asyncio.sleep(0.01)
+        await asyncio.wait_for(task, 10)
+        return closed_during_step, backend.closed
+    closed_during_step, closed_after = asyncio.run(main())
+    assert not closed_during_step and closed_after
+
+
+def test_async_switch_backend_drains_then_swaps_and_survives_a_failed_load():
+    async def main():
+        old = SlowClosableBackend(slots=2)
+        engine = cllm.AsyncLLM(backend=old, config=fake_config())
+
+        async def run(prompt):
+            final = None
+            async for final in engine.generate(prompt, SamplingParams(max_tokens=3, temperature=0)):
+                pass
+            return final.outputs[0].token_ids
+        assert await run([1]) == [2, 3, 4]
+        with pytest.raises(FileNotFoundError):
+            await engine.switch_backend("llama_cpp", model="/nonexistent/model.gguf")
+        assert await run([2]) == [3, 4, 5] and not old.closed
+        in_flight = asyncio.create_task(run([10]))
+        await engine.switch_backend("llama_cpp", n_threads=1, n_seq_max=2)
+        assert await in_flight == [11, 12, 13]  # finished on the old engine before the swap
+        assert old.closed and engine.engine.backend.name == "llama_cpp"
+        text = await run("The capital of France is")
+        await engine.shutdown(0)
+        return text
+    assert len(asyncio.run(main())) == 3

@@ -99,3 +99,30 @@ def test_keyless_server_refuses_foreign_host_headers():
     app = create_app(config, engine=cllm.AsyncLLM(backend=FakeBackend(slots=2), config=config))
     with TestClient(app, base_url="http://llm.internal:8000") as client:
         assert client.get("/v1/models").status_code == 200
+
+
+# ---- defect 17: tokenising and templating off the event loop -----------------------------
+
+def test_prompts_are_tokenised_and_rendered_off_the_event_loop():
+    import threading
+    app = fake_app()
+    seen: list[str] = []
+    with TestClient(app, base_url="http://localhost") as client:
+        engine = app.state.cllm.loaded.engine
+        inner = engine.engine
+        tokenize_prompt, tokenize_chat = inner.tokenize_prompt, inner.tokenize_chat
+
+        def spy_prompt(*args, **kwargs):
+            seen.append(threading.current_thread().name)
+            return tokenize_prompt(*args, **kwargs)
+
+        def spy_chat(*args, **kwargs):
+            seen.append(threading.current_thread().name)
+            return tokenize_chat(*args, **kwargs)
+        inner.tokenize_prompt, inner.tokenize_chat = spy_prompt, spy_chat
+        loop_thread = client.portal.call(lambda: threading.current_thread().name)
+        assert client.post("/v1/completions", json={"prompt": "ab", "max_tokens": 2}).status_code == 200
+        assert client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "ab"}],
+                                                         "max_tokens": 2}).status_code == 200
+        assert client.post("/tokenize", json={"messages": [{"role": "user", "content": "ab"}]}).status_code == 200
+    assert len(seen) >= 3 and loop_thread not in seen
