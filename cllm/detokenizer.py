@@ -26,6 +26,11 @@ class IncrementalDetokenizer:
         self._emitted = 0  # chars of self.text already handed out
         self.stopped_on: str | None = None  # the stop string matched, if any
 
+    @property
+    def text_length(self) -> int:
+        """Characters decoded so far (a partial UTF-8 character counts once it completes)."""
+        return len(self.text)
+
     def add_token(self, token_id: int, *, check_stop: bool = True) -> str | None:
         """Append one token; returns the stop string if this token completed one (only looked for
         when ``check_stop``; the scan covers the new text plus a stop string's length before it)."""

@@ -23,6 +23,9 @@ class TokenLogprob:
     logprob: float  # its log-probability
     bytes: list[int]  # its raw bytes
     top: list[TopLogprob]  # the k most likely tokens (k = SamplingParams.logprobs)
+    # Characters of the choice's text before this token's own text: a token that only completes part
+    # of a UTF-8 character adds no text yet, so it and the next token share an offset.
+    text_offset: int = 0
 
 
 @dataclass(slots=True)

@@ -9,6 +9,7 @@ cancel, client gone) aborts its request at the start of the next step.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
@@ -148,22 +149,26 @@ class AsyncLLM:
 
     # ------------------------------------------------------------- requests
     async def generate(self, prompt: Prompt, params: SamplingParams | None = None, *, request_id: str | None = None,
-                       priority: int = 0, timeout_s: float | None = None) -> AsyncIterator[RequestOutput]:
-        """Stream one request's outputs; each carries the deltas since the previous one."""
+                       priority: int = 0, timeout_s: float | None = None,
+                       on_queued: Callable[[], None] | None = None) -> AsyncIterator[RequestOutput]:
+        """Stream one request's outputs; each carries the deltas since the previous one.
+
+        ``on_queued`` is called on the caller's event loop once the engine has accepted the request
+        (after that only the request's own end can fail it), e.g. to send a stream's headers."""
         params = params or SamplingParams()
         while self._switching:  # a backend switch is draining; this request goes to the new engine
             await asyncio.sleep(0.01)
         rid = self._admit_checks(prompt, params, request_id)
-        # Tokenising a long prompt takes a while: off the caller's event loop (issue 9 defect 17).
-        ids = await asyncio.to_thread(self.engine.tokenize_prompt, prompt) if isinstance(prompt, str) \
-            else self.engine.tokenize_prompt(prompt)
+        # Tokenising a long prompt, or checking a long token list, takes a while: off the caller's
+        # event loop (issue 9 defect 17).
+        ids = await asyncio.to_thread(self.engine.tokenize_prompt, prompt)
         self.engine.resolve_max_tokens(len(ids), params)
         params.check_vocab(self.tokenizer.vocab_size)
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._streams[rid] = stream
         self._pending += params.n
         self.start()
-        self._submit(lambda: self._add(rid, prompt, params, priority, timeout_s, ids))
+        self._submit(lambda: self._add(rid, prompt, params, priority, timeout_s, ids, on_queued))
         finished = False
         try:
             while not finished:
@@ -174,6 +179,15 @@ class AsyncLLM:
             if not finished:
                 self._submit(lambda: self._abort_now(rid))
             self._streams.pop(rid, None)
+
+    async def chat(self, messages: Sequence[dict], params: SamplingParams | None = None, *,
+                   add_generation_prompt: bool = True, **kwargs: Any) -> AsyncIterator[RequestOutput]:
+        """``generate`` for a conversation; the chat template renders and tokenises in a thread, so a
+        long conversation does not stall the caller's event loop (issue 9 defect 17)."""
+        ids = await asyncio.to_thread(self.engine.tokenize_chat, messages, add_generation_prompt)
+        async with contextlib.aclosing(self.generate(ids, params, **kwargs)) as outputs:
+            async for out in outputs:
+                yield out
 
     def _admit_checks(self, prompt: Prompt, params: SamplingParams, request_id: str | None) -> str:
         if self._dead is not None:
@@ -189,14 +203,18 @@ class AsyncLLM:
         return rid
 
     def _add(self, rid: str, prompt: Prompt, params: SamplingParams, priority: int, timeout_s: float | None,
-             ids: list[int]) -> None:
+             ids: list[int], on_queued: Callable[[], None] | None) -> None:
         self._pending -= params.n
-        if rid not in self._streams:
+        stream = self._streams.get(rid)
+        if stream is None:
             return  # the caller gave up before the loop saw the request
         try:
             self.engine.add_request(prompt, params, request_id=rid, priority=priority, timeout_s=timeout_s, prompt_ids=ids)
         except (ValueError, QueueFullError) as err:
             self._deliver(rid, err)
+            return
+        if on_queued is not None and not stream.loop.is_closed():
+            stream.loop.call_soon_threadsafe(on_queued)
 
     def _abort_now(self, rid: str) -> None:
         out = self.engine.abort_request(rid)

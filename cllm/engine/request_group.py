@@ -35,15 +35,16 @@ class RequestGroup:
         """Record a child's new token; returns a stop string it completed, if any."""
         child = self.children[index]
         if child.params.logprobs is not None:
-            child.output_logprobs.append(self._logprob(sampled))
+            child.output_logprobs.append(self._logprob(sampled, self._detoks[index].text_length))
         # min_tokens holds stop strings back as it holds back EOS and stop token ids.
         return self._detoks[index].add_token(sampled.token_id,
                                              check_stop=child.num_output_tokens >= child.params.min_tokens)
 
-    def _logprob(self, s: SampledToken) -> TokenLogprob:
+    def _logprob(self, s: SampledToken, text_offset: int) -> TokenLogprob:
         tok = self._tokenizer
         top = [TopLogprob(t, tok.decode([t]), lp, list(tok.token_bytes(t))) for t, lp in zip(s.top_ids, s.top_logprobs)]
-        return TokenLogprob(s.token_id, tok.decode([s.token_id]), s.logprob or 0.0, list(tok.token_bytes(s.token_id)), top)
+        return TokenLogprob(s.token_id, tok.decode([s.token_id]), s.logprob or 0.0, list(tok.token_bytes(s.token_id)),
+                            top, text_offset)
 
     def make_output(self) -> RequestOutput:
         """The group's state now, with deltas since the previous call."""

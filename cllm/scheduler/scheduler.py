@@ -10,12 +10,22 @@ backend can save state) and resumes later from the waiting queue.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 from cllm.backends.base import Backend
 from cllm.config import SchedulerConfig
 from cllm.request import Request, RequestStatus
 from cllm.scheduler.output import ScheduledChunk, SchedulerOutput
 from cllm.scheduler.queue import WaitingQueue
+
+
+@dataclass(slots=True, frozen=True)
+class _RefusedAdmission:
+    """The last admission the backend refused, and the state it was refused in."""
+
+    request: Request  # the queue head that could not be placed
+    epoch: int  # the scheduler's release count at the time
+    budget: int  # token budget it was offered (a smaller first chunk may fit)
 
 
 class Scheduler:
@@ -32,6 +42,10 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
         self._arrivals = 0
+        # Bumped whenever a sequence gives its slot and KV back (finish, preemption): only then can an
+        # admission the backend refused succeed, so a refused head is not retried before that.
+        self._release_epoch = 0
+        self._refused: _RefusedAdmission | None = None
 
     # ------------------------------------------------------------ lifecycle
     def add(self, req: Request) -> None:
@@ -56,6 +70,7 @@ class Scheduler:
         req.swapped_state = None
         req.metrics.finished_time = time.monotonic()
         self.backend.release(req.request_id, keep_cache=status != RequestStatus.FAILED)
+        self._release_epoch += 1
         self.requests.pop(req.request_id, None)
 
     def abort(self, request_id: str) -> Request | None:
@@ -120,6 +135,7 @@ class Scheduler:
         else:
             self.backend.release(req.request_id, keep_cache=True)
             req.num_computed_tokens = 0
+        self._release_epoch += 1
         req.status = RequestStatus.PREEMPTED
         self.num_preemptions += 1
         self.waiting.push(req)
@@ -127,7 +143,9 @@ class Scheduler:
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting.peek()
-            n = None if req is None else self._try_admit(req, budget)
+            if req is None or self._refused_before(req, budget):
+                return
+            n = self._try_admit(req, budget)
             if n is None:
                 return
             self.waiting.pop()
@@ -136,10 +154,22 @@ class Scheduler:
             out.chunks.append(self._chunk(req, n))
             budget -= n
 
+    def _refused_before(self, req: Request, budget: int) -> bool:
+        """Whether admitting ``req`` was refused and nothing that could change the answer happened since.
+
+        An admission costs a prefix scan, a truncation and maybe a seq_cp (issue 9 defect 6); a head
+        the backend cannot place is retried only after a release, or with a smaller first chunk. It
+        keeps its place at the head, so it is never starved by later arrivals.
+        """
+        refused = self._refused
+        return (refused is not None and refused.request is req and refused.epoch == self._release_epoch
+                and budget >= refused.budget)
+
     def _try_admit(self, req: Request, budget: int) -> int | None:
         """Give the request a backend place and KV for its first chunk; the chunk's size, or None."""
         admission = self.backend.admit(req.request_id, req.all_token_ids)
         if admission is None:
+            self._refused = _RefusedAdmission(req, self._release_epoch, budget)
             return None
         if req.swapped_state is None:
             req.num_computed_tokens = admission.num_cached_tokens
@@ -147,6 +177,7 @@ class Scheduler:
                 req.num_cached_tokens = admission.num_cached_tokens
         n = min(req.num_tokens - req.num_computed_tokens, budget)
         ok = self.backend.reserve(req.request_id, req.num_computed_tokens + n)
+        restore_failed = False
         if ok and req.swapped_state is not None:
             ok = self.backend.restore_state(req.request_id, req.swapped_state, req.all_token_ids[: req.num_computed_tokens])
             if not ok:
@@ -154,10 +185,13 @@ class Scheduler:
                 # stuck: fall back to recompute, which the next admission does like any other.
                 req.swapped_state = None
                 req.num_computed_tokens = 0
+                restore_failed = True
         if not ok:
             # A rollback: what the admission matched is valid cache (a failed restore leaves nothing
             # claimed), so keep it; dropping it would withdraw blocks that live sequences share.
             self.backend.release(req.request_id, keep_cache=True)
+            if not restore_failed:  # after a failed restore the recompute retry must not wait for a release
+                self._refused = _RefusedAdmission(req, self._release_epoch, budget)
             return None
         req.swapped_state = None
         return n

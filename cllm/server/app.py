@@ -19,6 +19,7 @@ from cllm.server.errors import install_error_handlers
 from cllm.server.host_guard import LOOPBACK_HOSTS, HostGuardMiddleware
 from cllm.server.lifecycle import lifespan_for, request_drain
 from cllm.server.routes import KNOWN_PATHS, routers
+from cllm.server.slow_clients import header_deadline_protocol
 from cllm.server.state import ServerState
 
 log = logging.getLogger("cllm.server")
@@ -54,7 +55,8 @@ def create_app(config: CllmConfig, engine: Any | None = None) -> FastAPI:
         state.metrics.http_responses.labels(route=route, code=str(record.status or 499)).inc()
 
     # Added innermost first: the body limit sees requests after logging and CORS.
-    app.add_middleware(BodyLimitMiddleware, max_bytes=config.server.max_body_bytes)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=config.server.max_body_bytes,
+                       timeout_s=config.server.body_read_timeout_s)
     if config.server.api_key is not None:
         app.add_middleware(ApiKeyMiddleware, api_key=config.server.api_key)
     else:
@@ -96,6 +98,27 @@ class _DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
+def uvicorn_config(app: FastAPI, config: CllmConfig) -> uvicorn.Config:
+    """uvicorn's settings for serving ``app`` as ``config`` says."""
+    server_cfg = config.server
+    return uvicorn.Config(
+        app,
+        host=server_cfg.host,
+        port=server_cfg.port,
+        log_level=server_cfg.log_level,
+        log_config=None,
+        access_log=False,  # AccessLogMiddleware writes one richer line per request
+        lifespan="on",
+        timeout_graceful_shutdown=int(server_cfg.shutdown_grace_s + _CONNECTION_GRACE_MARGIN_S),
+        # Slow and greedy clients (issue 9 defect 14): idle keep-alives, header size and time, and
+        # how many connections and requests are open at once (beyond it, 503).
+        http=header_deadline_protocol(server_cfg.header_read_timeout_s),
+        timeout_keep_alive=server_cfg.keep_alive_timeout_s,  # type: ignore[arg-type]  # call_later takes floats
+        h11_max_incomplete_event_size=server_cfg.max_header_bytes,
+        limit_concurrency=server_cfg.max_connections,
+    )
+
+
 def configure_logging(level: str) -> None:
     """Root logging for the server process (uvicorn's loggers propagate to it)."""
     logging.basicConfig(
@@ -115,17 +138,7 @@ def run_server(config: CllmConfig) -> None:
                     "set --api-key (or CLLM_API_KEY). Requests must also carry a Host header in allowed_hosts",
                     server_cfg.host)
     app = create_app(config)
-    uv_config = uvicorn.Config(
-        app,
-        host=server_cfg.host,
-        port=server_cfg.port,
-        log_level=server_cfg.log_level,
-        log_config=None,
-        access_log=False,  # AccessLogMiddleware writes one richer line per request
-        lifespan="on",
-        timeout_graceful_shutdown=int(server_cfg.shutdown_grace_s + _CONNECTION_GRACE_MARGIN_S),
-    )
-    server = _DrainingServer(uv_config, app.state.cllm)
+    server = _DrainingServer(uvicorn_config(app, config), app.state.cllm)
     app.state.cllm.on_fatal = server.fail
     log.info("cllm serving on http://%s:%d (model loading in the background)", server_cfg.host, server_cfg.port)
     server.run()

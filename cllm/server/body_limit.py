@@ -1,5 +1,8 @@
-"""Refuse request bodies over ``max_body_bytes`` with 413 before any handler parses them."""
+"""Refuse request bodies over ``max_body_bytes`` (413) or slower than ``body_read_timeout_s`` (408)
+before any handler parses them."""
 from __future__ import annotations
+
+import asyncio
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -16,9 +19,10 @@ class BodyLimitMiddleware:
     downstream ``receive`` intact for disconnect detection.
     """
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int, timeout_s: float | None = None) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.timeout_s = timeout_s  # the whole body must arrive within this (a slow drip holds a socket)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] in _NO_BODY_METHODS:
@@ -27,10 +31,15 @@ class BodyLimitMiddleware:
         error = self._check_declared_length(scope)
         body: bytes | None = None
         if error is None:
-            body, disconnected = await self._read_body(receive)
+            try:
+                body, disconnected = await asyncio.wait_for(self._read_body(receive), self.timeout_s)
+            except asyncio.TimeoutError:
+                body, disconnected = None, False
+                error = APIError(408, f"request body not received within {self.timeout_s:g} s", code="body_timeout",
+                                 headers={"Connection": "close"})
             if disconnected:
                 return  # the client left mid-upload; there is nobody to answer
-            if body is None:
+            if error is None and body is None:
                 error = self._too_large()
         if error is not None:
             await error.response()(scope, receive, send)

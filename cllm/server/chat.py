@@ -77,11 +77,13 @@ class ChatFormatter:
     def chunks(self, prompt_index: int, out: RequestOutput) -> Iterable[bytes]:
         for o in out.outputs:
             reason = o.finish_reason if o.finish_reason in _NORMAL_FINISH and o.index not in self._finished else None
-            if not (o.text_delta or reason):
+            logprobs = chat_logprobs(o.logprobs_delta) if self._logprobs and o.logprobs_delta else None
+            # Held-back text (part of a UTF-8 character, a possible stop string) still sends its tokens'
+            # logprobs now, so streamed logprobs equal non-streamed ones token for token.
+            if not (o.text_delta or reason or logprobs):
                 continue
             if reason:
                 self._finished.add(o.index)
-            logprobs = chat_logprobs(o.logprobs_delta) if self._logprobs and o.logprobs_delta else None
             delta = DeltaMessage(content=o.text_delta) if o.text_delta else DeltaMessage()
             choice = ChatStreamChoice(index=o.index, delta=delta, logprobs=logprobs, finish_reason=reason)
             yield sse_model(self._chunk([choice]))
@@ -135,13 +137,15 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     record = access_record(request)
     if record is not None:
         record.request_id = meta.id
+    lease, priority = state.quota.admit(request, num_sequences=params.n, priority=body.priority)
     stream = GenerationStream(
-        model.engine, [prompt], params, request_id=meta.id, priority=body.priority or 0,
-        metrics=state.metrics, record=record, prompt_param="messages",
+        model.engine, [prompt], params, request_id=meta.id, priority=priority,
+        metrics=state.metrics, record=record, prompt_param="messages", lease=lease,
     )
     wants_logprobs = bool(body.logprobs)
     return await respond(
         request, stream, meta=meta, wants_stream=body.wants_stream, include_usage=body.include_usage,
+        keepalive_s=state.config.server.sse_keepalive_s,
         formatter=lambda: ChatFormatter(meta, params.n, wants_logprobs),
         build=lambda finals: build_chat(meta, finals[0], wants_logprobs),
     )

@@ -5,6 +5,7 @@ import time
 import uuid
 from collections.abc import Iterable
 
+from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -12,7 +13,7 @@ from cllm.outputs import RequestOutput
 from cllm.server.access_log import access_record
 from cllm.server.errors import bad_request, reject_unsupported
 from cllm.server.generation import GenerationStream, Prompt
-from cllm.server.logprobs import completion_logprobs, next_text_offset
+from cllm.server.logprobs import completion_logprobs
 from cllm.server.protocol import CompletionChoice, CompletionRequest, CompletionResponse, UsageInfo
 from cllm.server.sampling import build_sampling_params
 from cllm.server.serving import ResponseMeta, respond, total_usage
@@ -55,7 +56,6 @@ class CompletionFormatter:
         self._meta = meta
         self._n = n
         self._logprobs = logprobs
-        self._offsets: dict[int, int] = {}  # choice index -> text offset of its next token
         self._finished: set[int] = set()  # choices whose finish_reason was sent
 
     def prelude(self) -> Iterable[bytes]:
@@ -65,15 +65,13 @@ class CompletionFormatter:
         for o in out.outputs:
             index = prompt_index * self._n + o.index
             reason = o.finish_reason if o.finish_reason in _NORMAL_FINISH and index not in self._finished else None
-            if not (o.text_delta or reason):
+            logprobs = completion_logprobs(o.logprobs_delta) if self._logprobs and o.logprobs_delta else None
+            # A token whose text is held back (part of a UTF-8 character, a possible stop string) still
+            # sends its logprob now, so streamed logprobs equal non-streamed ones token for token.
+            if not (o.text_delta or reason or logprobs):
                 continue
             if reason:
                 self._finished.add(index)
-            logprobs = None
-            if self._logprobs and o.logprobs_delta:
-                start = self._offsets.get(index, 0)
-                logprobs = completion_logprobs(o.logprobs_delta, start)
-                self._offsets[index] = next_text_offset(o.logprobs_delta, start)
             choice = CompletionChoice(index=index, text=o.text_delta, logprobs=logprobs, finish_reason=reason)
             yield sse_model(self._chunk([choice]))
 
@@ -108,20 +106,23 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     model = state.require_ready()
     state.check_model(body.model)
     reject_unsupported(body)
-    prompts = prompts_of(body.prompt, model.limits.vocab_size)
+    # Checking a long token-id prompt is a Python loop over it: off the event loop (issue 9 defect 17).
+    prompts = await run_in_threadpool(prompts_of, body.prompt, model.limits.vocab_size)
     max_tokens = DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
     params = build_sampling_params(body, max_tokens=max_tokens, logprobs=body.logprobs, limits=model.limits)
     meta = ResponseMeta(id=f"cmpl-{uuid.uuid4().hex}", created=int(time.time()), model=model.name)
     record = access_record(request)
     if record is not None:
         record.request_id = meta.id
+    lease, priority = state.quota.admit(request, num_sequences=len(prompts) * params.n, priority=body.priority)
     stream = GenerationStream(
-        model.engine, prompts, params, request_id=meta.id, priority=body.priority or 0,
-        metrics=state.metrics, record=record, prompt_param="prompt",
+        model.engine, prompts, params, request_id=meta.id, priority=priority,
+        metrics=state.metrics, record=record, prompt_param="prompt", lease=lease,
     )
     wants_logprobs = body.logprobs is not None
     return await respond(
         request, stream, meta=meta, wants_stream=body.wants_stream, include_usage=body.include_usage,
+        keepalive_s=state.config.server.sse_keepalive_s,
         formatter=lambda: CompletionFormatter(meta, params.n, wants_logprobs),
         build=lambda finals: build_completion(meta, finals, params.n, wants_logprobs),
     )

@@ -1,21 +1,23 @@
 """The engine work behind one HTTP request: one engine request per prompt, merged.
 
 ``GenerationStream`` starts them, yields ``(prompt_index, RequestOutput)`` as
-any of them makes progress, records latency metrics and the access-log
-totals, and on ``close()`` aborts whatever has not finished (closing an
-engine stream aborts its request and frees its slot).
+any of them makes progress (or nothing for a while: keep-alive ticks), records
+latency metrics and the access-log totals, and on ``close()`` aborts whatever
+has not finished (closing an engine stream aborts its request and frees its
+slot) and gives the client's share of the queue back.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from cllm.outputs import RequestOutput
 from cllm.sampling.params import SamplingParams
 from cllm.server.access_log import AccessRecord
+from cllm.server.client_quota import ClientLease
 from cllm.server.errors import APIError, engine_error
 from cllm.server.metrics import ServerMetrics
 
@@ -38,45 +40,21 @@ def request_status(out: RequestOutput) -> str:
     return (reasons[0] or "stop") if reasons else "stop"
 
 
-async def _merge(gens: Sequence[AsyncIterator[RequestOutput]]) -> AsyncGenerator[tuple[int, RequestOutput], None]:
-    """Interleave several engine streams in arrival order; cancelling tasks on exit closes them all."""
-    if len(gens) == 1:
-        # Closing the engine stream explicitly (not at garbage collection) is what aborts it.
-        async with contextlib.aclosing(gens[0]) as gen:  # type: ignore[type-var]
-            async for out in gen:
-                yield 0, out
-        return
-    queue: asyncio.Queue[tuple[int, RequestOutput | None, BaseException | None]] = asyncio.Queue()
+class StreamEnd:
+    """Marks the end of every prompt's engine stream."""
 
-    async def pump(index: int, gen: AsyncIterator[RequestOutput]) -> None:
-        try:
-            async with contextlib.aclosing(gen) as stream:  # type: ignore[type-var]
-                async for out in stream:
-                    queue.put_nowait((index, out, None))
-        except Exception as exc:  # handed to the consumer, which decides the response
-            queue.put_nowait((index, None, exc))
-            return
-        queue.put_nowait((index, None, None))
 
-    tasks = [asyncio.ensure_future(pump(i, g)) for i, g in enumerate(gens)]
-    try:
-        remaining = len(tasks)
-        while remaining:
-            index, out, exc = await queue.get()
-            if exc is not None:
-                raise exc
-            if out is None:
-                remaining -= 1
-                continue
-            yield index, out
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+STREAM_END = StreamEnd()
+_Item = tuple[int, RequestOutput | None, BaseException | None]  # (prompt index, output, error); (i, None, None) = ended
 
 
 class GenerationStream:
-    """Engine outputs for the prompts of one HTTP request. Use ``start()``, iterate, ``close()``."""
+    """Engine outputs for the prompts of one HTTP request. Use ``start()``, iterate, ``close()``.
+
+    Each prompt's engine stream is pumped by a task into one queue, so the consumer can wait for
+    the next output with a timeout (SSE keep-alives) without cancelling an engine stream mid-step,
+    and cancelling the pumps closes the engine streams, which aborts their requests.
+    """
 
     def __init__(
         self,
@@ -89,40 +67,97 @@ class GenerationStream:
         metrics: ServerMetrics,
         record: AccessRecord | None,
         prompt_param: str,
+        lease: ClientLease | None = None,
     ) -> None:
         ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
-        gens = [engine.generate(p, params, request_id=rid, priority=priority) for p, rid in zip(prompts, ids)]
-        self._merged = _merge(gens)
+        self._queue: asyncio.Queue[_Item] = asyncio.Queue()
+        self._pending: list[_Item] = []
+        self._remaining = len(prompts)  # engine streams not ended yet
+        self._unqueued = len(prompts)  # prompts the engine has not queued yet
+        self._all_queued = asyncio.Event()
         self._metrics = metrics
         self._record = record
         self._prompt_param = prompt_param
-        self._pending: tuple[int, RequestOutput] | None = None
+        self._lease = lease
         self._last_token_at: list[float | None] = [None] * len(prompts)
         self.finals: list[RequestOutput | None] = [None] * len(prompts)  # each prompt's final output
         self._closed = False
         self.num_choices = params.n
+        self._tasks = [
+            asyncio.ensure_future(self._pump(i, engine.generate(p, params, request_id=rid, priority=priority,
+                                                                on_queued=self._on_queued)))
+            for i, (p, rid) in enumerate(zip(prompts, ids))
+        ]
+
+    def _on_queued(self) -> None:
+        self._unqueued -= 1
+        if self._unqueued == 0:
+            self._all_queued.set()
+
+    async def _pump(self, index: int, gen: AsyncIterator[RequestOutput]) -> None:
+        try:
+            # Closing the engine stream explicitly (not at garbage collection) is what aborts it.
+            async with contextlib.aclosing(gen) as stream:  # type: ignore[type-var]
+                async for out in stream:
+                    self._queue.put_nowait((index, out, None))
+        except Exception as exc:  # handed to the consumer, which decides the response
+            self._queue.put_nowait((index, None, exc))
+            return
+        self._queue.put_nowait((index, None, None))
 
     async def start(self) -> None:
-        """Wait for the first output, so admission errors (queue full, too long …) become HTTP errors."""
+        """Wait until the engine queued every prompt, or its first output or error came (issue 9 defect 15).
+
+        Admission errors (queue full, prompt too long …) come before the queueing and become HTTP
+        errors here; after it, a stream can send its headers at once instead of after the first
+        token, which a queued request or a long prefill may take minutes to produce.
+        """
+        got = asyncio.ensure_future(self._queue.get())
+        queued = asyncio.ensure_future(self._all_queued.wait())
         try:
-            self._pending = await self._merged.__anext__()
-        except StopAsyncIteration:
-            raise APIError(500, "the engine ended the request without output", code="internal_error") from None
-        except Exception as exc:
+            await asyncio.wait({got, queued}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (queued, got):
+                if not task.done():
+                    task.cancel()
+                    # asyncio.Queue.get leaves the item queued when cancelled: nothing is lost
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await task
+        if got.cancelled():
+            return
+        index, out, exc = got.result()
+        if exc is not None:
             raise engine_error(exc, prompt_param=self._prompt_param) from None
+        if out is None and not self._all_queued.is_set():
+            raise APIError(500, "the engine ended the request without output", code="internal_error")
+        self._pending.append((index, out, exc))
+
+    async def next_output(self, timeout: float | None = None) -> tuple[int, RequestOutput] | StreamEnd | None:
+        """The next output; ``STREAM_END`` when every prompt ended; None if ``timeout`` passed first.
+        Engine errors come out as APIError."""
+        while True:
+            if self._pending:
+                index, out, exc = self._pending.pop(0)
+            elif self._remaining == 0:
+                return STREAM_END
+            else:
+                try:
+                    index, out, exc = await asyncio.wait_for(self._queue.get(), timeout)
+                except asyncio.TimeoutError:
+                    return None
+            if exc is not None:
+                raise engine_error(exc, prompt_param=self._prompt_param) from None
+            if out is None:
+                self._remaining -= 1
+                continue
+            self._note(index, out)
+            return index, out
 
     async def __aiter__(self) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """Outputs as they come; engine errors after the start come out as APIError."""
-        if self._pending is not None:
-            item, self._pending = self._pending, None
-            self._note(*item)
-            yield item
-        try:
-            async for index, out in self._merged:
-                self._note(index, out)
-                yield index, out
-        except Exception as exc:
-            raise engine_error(exc, prompt_param=self._prompt_param) from None
+        """Outputs as they come; engine errors come out as APIError."""
+        while not isinstance(item := await self.next_output(), StreamEnd):
+            if item is not None:
+                yield item
 
     async def collect(self) -> list[RequestOutput]:
         """Run to the end; every prompt's final output."""
@@ -134,11 +169,15 @@ class GenerationStream:
         return [f for f in self.finals if f is not None]
 
     async def close(self) -> None:
-        """Abort unfinished engine requests (idempotent)."""
+        """Abort unfinished engine requests and give the client's share back (idempotent)."""
         if self._closed:
             return
         self._closed = True
-        await self._merged.aclose()
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._lease is not None:
+            self._lease.release()
         unfinished = sum(1 for f in self.finals if f is None)
         if unfinished:
             # Closed before the engine reported an end: the client left or the response failed.

@@ -7,28 +7,23 @@ from cllm.outputs import TokenLogprob
 from cllm.server.protocol import ChatChoiceLogprobs, ChatTokenLogprob, ChatTopLogprob, CompletionLogprobs
 
 
-def completion_logprobs(entries: Sequence[TokenLogprob], text_offset: int = 0) -> CompletionLogprobs:
-    """Parallel lists for ``/v1/completions``; ``text_offset`` is where these tokens start in the choice's text.
+def completion_logprobs(entries: Sequence[TokenLogprob]) -> CompletionLogprobs:
+    """Parallel lists for ``/v1/completions``.
 
-    As on OpenAI, each ``top_logprobs`` dict also holds the sampled token, so it
-    may have k + 1 entries.
+    ``text_offset`` is where each token's text starts in the choice's text, as the engine recorded
+    it: summing token strings would count a partial UTF-8 character's U+FFFD stand-ins, and streamed
+    chunks would have to carry that sum across chunks. As on OpenAI, each ``top_logprobs`` dict also
+    holds the sampled token, so it may have k + 1 entries.
     """
     result = CompletionLogprobs()
-    offset = text_offset
     for entry in entries:
         result.tokens.append(entry.token)
         result.token_logprobs.append(entry.logprob)
         top = {alt.token: alt.logprob for alt in entry.top}
         top.setdefault(entry.token, entry.logprob)
         result.top_logprobs.append(top)
-        result.text_offset.append(offset)
-        offset += len(entry.token)
+        result.text_offset.append(entry.text_offset)
     return result
-
-
-def next_text_offset(entries: Sequence[TokenLogprob], text_offset: int) -> int:
-    """The offset after these tokens (streamed chunks continue where the previous ended)."""
-    return text_offset + sum(len(e.token) for e in entries)
 
 
 def chat_logprobs(entries: Sequence[TokenLogprob]) -> ChatChoiceLogprobs:

@@ -92,10 +92,11 @@ async def detokenize(body: DetokenizeRequest, request: Request) -> DetokenizeRes
     model = state.require_loaded()
     state.check_model(body.model)
     vocab = model.limits.vocab_size
-    bad = [t for t in body.tokens if not 0 <= t < vocab]
+    bad = await run_in_threadpool(lambda: [t for t in body.tokens if not 0 <= t < vocab])
     if bad:
         raise bad_request(f"invalid token ids {bad[:8]}: must be in [0, {vocab})", param="tokens")
-    return DetokenizeResponse(prompt=model.engine.tokenizer.decode(body.tokens))
+    # A long token list decodes for a while: off the event loop (issue 9 defect 17).
+    return DetokenizeResponse(prompt=await run_in_threadpool(model.engine.tokenizer.decode, body.tokens))
 
 
 def _openai_router() -> APIRouter:

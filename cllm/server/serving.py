@@ -14,9 +14,9 @@ from cllm.outputs import RequestOutput
 from cllm.server.access_log import CLIENT_CLOSED
 from cllm.server.disconnect import ClientDisconnected, unless_disconnected
 from cllm.server.errors import APIError, finish_error
-from cllm.server.generation import GenerationStream, request_status
+from cllm.server.generation import GenerationStream, StreamEnd, request_status
 from cllm.server.protocol import PromptTokensDetails, UsageInfo
-from cllm.server.streaming import DONE, EventStreamResponse, sse_json
+from cllm.server.streaming import DONE, KEEPALIVE, EventStreamResponse, sse_json
 
 log = logging.getLogger("cllm.server")
 
@@ -62,15 +62,23 @@ def output_error(out: RequestOutput) -> APIError | None:
 
 
 async def sse_events(
-    stream: GenerationStream, formatter: StreamFormatter, *, include_usage: bool
+    stream: GenerationStream, formatter: StreamFormatter, *, include_usage: bool, keepalive_s: float
 ) -> AsyncGenerator[bytes, None]:
-    """The SSE body: chunks, optional usage chunk, ``[DONE]``; an error event replaces the rest on failure."""
+    """The SSE body: chunks, optional usage chunk, ``[DONE]``; an error event replaces the rest on failure.
+
+    Whenever ``keepalive_s`` passes without news (queued, long prefill) an SSE comment goes out, so
+    proxies with a read timeout do not cut a stream that is merely waiting (issue 9 defect 15).
+    """
     try:
         try:
             for chunk in formatter.prelude():
                 yield chunk
             failed = False
-            async for index, out in stream:
+            while not isinstance(item := await stream.next_output(keepalive_s), StreamEnd):
+                if item is None:
+                    yield KEEPALIVE
+                    continue
+                index, out = item
                 for chunk in formatter.chunks(index, out):
                     yield chunk
                 error = output_error(out)
@@ -107,13 +115,16 @@ async def respond(
     formatter: Callable[[], StreamFormatter],
     build: Callable[[list[RequestOutput]], BaseModel],
     include_usage: bool,
+    keepalive_s: float,
 ) -> Response:
-    """Admit the request, then stream it or collect it into one body; the client leaving aborts it."""
+    """Admit the request, then stream it or collect it into one body; the client leaving aborts it.
+
+    A stream's headers go out once the engine has queued it, not at its first token."""
     handed_over = False
     try:
         await unless_disconnected(request, stream.start())
         if wants_stream:
-            body = sse_events(stream, formatter(), include_usage=include_usage)
+            body = sse_events(stream, formatter(), include_usage=include_usage, keepalive_s=keepalive_s)
             handed_over = True  # the response's body generator closes the stream now
             return EventStreamResponse(body, headers={"X-Request-Id": meta.id})
         finals = await unless_disconnected(request, stream.collect())

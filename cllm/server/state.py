@@ -11,6 +11,7 @@ from typing import Any
 from starlette.requests import Request
 
 from cllm.config import CllmConfig
+from cllm.server.client_quota import AdmissionPolicy, ClientQuota
 from cllm.server.errors import APIError
 from cllm.server.metrics import ServerMetrics
 from cllm.server.sampling import RequestLimits
@@ -49,9 +50,16 @@ class ServerState:
     load_task: asyncio.Task[None] | None = None  # background model load
     shutdown_task: asyncio.Task[None] | None = None  # engine drain, once begun
     on_fatal: Callable[[str], None] | None = None  # asks the process to exit (set by run_server)
+    quota: ClientQuota = field(init=False)  # per-request and per-client sequence caps
 
     def __post_init__(self) -> None:
         self.metrics = ServerMetrics(self.engine_stats)
+        server = self.config.server
+        self.quota = ClientQuota(AdmissionPolicy(
+            max_sequences_per_request=server.max_sequences_per_request,
+            max_sequences_per_client=server.max_sequences_per_client,
+            allow_client_priority=server.allow_client_priority,
+        ))
 
     def engine_stats(self) -> Any | None:
         """The engine's stats, or None before it is loaded."""

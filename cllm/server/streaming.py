@@ -11,6 +11,8 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 DONE = b"data: [DONE]\n\n"
+# An SSE comment: clients ignore it, proxies see bytes flowing (sent while a stream waits).
+KEEPALIVE = b": keep-alive\n\n"
 
 
 def sse_model(model: BaseModel) -> bytes:

@@ -67,3 +67,20 @@ def test_llama_cpp_warnings_reach_python_logging_at_warning_level(caplog):
     assert any("n_ctx_train" in r.getMessage() for r in warnings)
     assert not any(r.levelno >= logging.ERROR for r in caplog.records if r.name == "cllm.llama_cpp")
     assert any(r.levelno == logging.DEBUG for r in caplog.records if r.name == "cllm.llama_cpp")  # load chatter
+
+
+def test_rolled_back_admission_is_not_counted_in_prefix_stats(llm):
+    # Issue 9: an admission the scheduler rolls back (no KV room) is retried later; counting it at
+    # admission counted its prompt and its hit twice. Stats count a sequence when it first runs.
+    prompt = "The history of bread begins in the ancient Near East, where people first ground grain"
+    llm.generate([prompt], GREEDY)
+    backend = llm.engine.backend
+    before = backend.prefix_cache_stats()
+    ids = llm.engine.tokenize_prompt(prompt)
+    assert backend.admit("rolled-back", ids).num_cached_tokens > 0
+    backend.release("rolled-back")
+    assert backend.prefix_cache_stats() == before
+    out = llm.generate([prompt], GREEDY)[0]
+    queried, hits = backend.prefix_cache_stats()
+    assert (queried - before[0], hits - before[1]) == (len(ids), out.usage.cached_tokens)
+    assert out.usage.cached_tokens > 0

@@ -8,6 +8,7 @@ import pytest
 from cllm.engine.llm_engine import LLMEngine
 from cllm.request import RequestStatus
 from cllm.sampling.params import SamplingParams
+from cllm.scheduler.scheduler import _RefusedAdmission
 from tests.unit.fakes import EOS, FakeBackend, fake_config
 
 GREEDY = SamplingParams(max_tokens=5, temperature=0)
@@ -196,3 +197,36 @@ def test_failed_swap_restore_falls_back_to_recompute():
     assert engine.scheduler.num_preemptions >= 1
     assert final["first"].outputs[0].token_ids == [(6 + i) % 64 for i in range(15)]
     assert final["second"].outputs[0].token_ids == [(15 + i) % 64 for i in range(15)]
+
+
+def test_refused_admission_is_not_retried_until_a_release():
+    # Issue 9 defect 6: a head request that cannot reserve KV must not re-run admission (prefix scan,
+    # truncation, seq_cp on llama.cpp) every step; it is retried once something gives KV back.
+    engine, backend = make_engine(FakeBackend(slots=2, kv_tokens=20))
+    admits: list[str] = []
+    real_admit = backend.admit
+
+    def counting_admit(sequence_id, token_ids):
+        admits.append(sequence_id)
+        return real_admit(sequence_id, token_ids)
+    backend.admit = counting_admit
+    engine.add_request(list(range(12)), SamplingParams(max_tokens=8, temperature=0), request_id="big")
+    engine.add_request(list(range(10)), SamplingParams(max_tokens=2, temperature=0), request_id="head")
+    final = run_all(engine)
+    # refused once while "big" runs (8 steps), admitted after "big" finished: two attempts, not nine
+    assert admits.count("head") == 2, admits
+    assert final["big"].outputs[0].token_ids == [12 + i for i in range(8)]
+    assert final["head"].outputs[0].token_ids == [10, 11]
+    assert backend.held == {}
+
+
+def test_refused_head_is_retried_with_a_smaller_first_chunk():
+    # The memo is per token budget: a smaller offer may fit where the bigger one did not.
+    engine, _ = make_engine(FakeBackend(slots=2, kv_tokens=10_000))
+    sched = engine.scheduler
+    engine.add_request([1, 2, 3], GREEDY, request_id="a")
+    head = sched.waiting.peek()
+    sched._refused = _RefusedAdmission(head, sched._release_epoch, budget=64)
+    assert sched._refused_before(head, 64) and not sched._refused_before(head, 8)
+    sched._release_epoch += 1
+    assert not sched._refused_before(head, 64)

@@ -71,6 +71,9 @@ class LlamaCppBackend(Backend):
         self.model_path = path
         self._queried_tokens = 0
         self._hit_tokens = 0
+        # (queried, hit) of admissions not yet run: counted at the first decode, dropped on a rollback
+        # (an admission refused for KV is retried later and must not count twice).
+        self._uncounted: dict[str, tuple[int, int]] = {}
 
     # ------------------------------------------------------------------ info
     @property
@@ -116,8 +119,7 @@ class LlamaCppBackend(Backend):
             if cached == 0 and match is not None and match.slot is not slot:
                 cached = self._copy_prefix(match.slot, slot, min(match.length, len(tokens) - 1))
             slot.reserved = len(slot.tokens)
-        self._queried_tokens += len(tokens)
-        self._hit_tokens += cached
+        self._uncounted[sequence_id] = (len(tokens), cached)
         return Admission(num_cached_tokens=cached)
 
     def _truncate(self, slot: Slot, keep: int) -> None:
@@ -176,6 +178,7 @@ class LlamaCppBackend(Backend):
         return False
 
     def release(self, sequence_id: str, *, keep_cache: bool = True) -> None:
+        self._uncounted.pop(sequence_id, None)
         with self._pool.lock:
             slot = self._pool.release(sequence_id)
             if slot is not None and not (keep_cache and self._prefix_cache):
@@ -212,9 +215,18 @@ class LlamaCppBackend(Backend):
             raise BackendError(f"llama_decode failed with code {rc}", list(slots))
         for tok, sid in zip(flat_ids, sequence_ids):
             slots[sid].tokens.append(int(tok))
+        self._count_prefix_stats(slots)
         # llama.cpp returns output rows in batch order; reorder (and copy) into logits_for order.
         in_batch_order = np.sort(rows)
         return self._ctx.output_logits(len(rows))[np.searchsorted(in_batch_order, rows)]
+
+    def _count_prefix_stats(self, slots: dict[str, Slot]) -> None:
+        """Count the prefix-cache stats of sequences that just ran for the first time since admission."""
+        for sid in slots:
+            stats = self._uncounted.pop(sid, None)
+            if stats is not None:
+                self._queried_tokens += stats[0]
+                self._hit_tokens += stats[1]
 
     def _roll_back(self, slots: dict[str, Slot]) -> None:
         """After a failed decode, drop KV cells it may have left beyond what each slot is known to hold."""

@@ -1,0 +1,88 @@
+"""Per-request and per-client caps on queued sequences, and the `priority` gate (issue 9 defect 14).
+
+The engine's waiting queue is one bound for everybody (``max_waiting``): without these caps one
+request (128 prompts x n 8) or one client sending many requests fills it and everyone else gets 429.
+A client is its remote address: the API key, when set, is one key shared by all clients, so it
+cannot tell them apart (behind a proxy, every client is the proxy; set the cap accordingly).
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+from starlette.requests import Request
+
+from cllm.server.errors import APIError, bad_request
+
+# How long a client over its share should wait before retrying (its own requests must finish first).
+CLIENT_RETRY_AFTER_S = 2
+
+
+@dataclass(slots=True, frozen=True)
+class AdmissionPolicy:
+    """The caps a request is checked against before it reaches the engine (from ServerConfig)."""
+
+    max_sequences_per_request: int  # prompts x n of one request
+    max_sequences_per_client: int | None  # queued + running sequences of one client; None = no cap
+    allow_client_priority: bool  # whether a request may set a non-zero `priority`
+
+
+class ClientLease:
+    """Sequences one request holds against its client's share; ``release()`` is idempotent."""
+
+    def __init__(self, quota: ClientQuota | None, client: str, count: int) -> None:
+        self._quota = quota
+        self._client = client
+        self._count = count
+
+    def release(self) -> None:
+        if self._quota is not None:
+            self._quota.give_back(self._client, self._count)
+            self._quota = None
+
+
+class ClientQuota:
+    """Counts the sequences each client has in flight; refuses those over its share with 429."""
+
+    def __init__(self, policy: AdmissionPolicy) -> None:
+        self.policy = policy
+        self._lock = threading.Lock()
+        self._in_flight: dict[str, int] = {}
+
+    def in_flight(self, client: str) -> int:
+        with self._lock:
+            return self._in_flight.get(client, 0)
+
+    def admit(self, request: Request, *, num_sequences: int, priority: int | None) -> tuple[ClientLease, int]:
+        """Check one request; returns its lease on the client's share and the priority to queue it with."""
+        policy = self.policy
+        if num_sequences > policy.max_sequences_per_request:
+            raise bad_request(
+                f"request asks for {num_sequences} sequences (prompts x n): this server allows at most "
+                f"{policy.max_sequences_per_request} per request; split it", param="n", code="too_many_sequences")
+        if priority and not policy.allow_client_priority:
+            raise bad_request(f"invalid priority={priority}: this server does not let clients set a priority "
+                              "(allow_client_priority is off)", param="priority")
+        client = request.client.host if request.client is not None else "unknown"
+        return self._acquire(client, num_sequences), priority or 0
+
+    def _acquire(self, client: str, count: int) -> ClientLease:
+        cap = self.policy.max_sequences_per_client
+        if cap is None:
+            return ClientLease(None, client, count)
+        with self._lock:
+            held = self._in_flight.get(client, 0)
+            if held + count > cap:
+                raise APIError(429, f"too many sequences in flight from this client ({held} + {count} > {cap}); "
+                               "wait for earlier requests to finish", code="client_quota_exceeded",
+                               headers={"Retry-After": str(CLIENT_RETRY_AFTER_S)})
+            self._in_flight[client] = held + count
+        return ClientLease(self, client, count)
+
+    def give_back(self, client: str, count: int) -> None:
+        with self._lock:
+            left = self._in_flight.get(client, 0) - count
+            if left > 0:
+                self._in_flight[client] = left
+            else:
+                self._in_flight.pop(client, None)
