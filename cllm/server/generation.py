@@ -173,15 +173,17 @@ class GenerationStream:
         if self._closed:
             return
         self._closed = True
+        # Everything but the wait happens before the first await: when the client left, the response
+        # is being cancelled, and anyio cancels every await in its scope again.
         for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+            task.cancel()  # the pump's cancellation closes its engine stream, which aborts the request
         if self._lease is not None:
             self._lease.release()
         unfinished = sum(1 for f in self.finals if f is None)
         if unfinished:
             # Closed before the engine reported an end: the client left or the response failed.
             self._metrics.requests.labels(status="abort").inc(unfinished)
+        await asyncio.shield(asyncio.gather(*self._tasks, return_exceptions=True))
 
     def _note(self, index: int, out: RequestOutput) -> None:
         now = time.monotonic()

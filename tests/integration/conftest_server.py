@@ -1,120 +1,25 @@
-"""Fixtures that run a real `cllm serve` process on the embedded model (imported by test_server.py)."""
+"""Fixtures that run a real `cllm serve` process on the embedded model (imported by test_server.py).
+
+The process helpers live in cllm/stress/server_process.py, shared with the stress battery and
+benchmarks/stress.py."""
 from __future__ import annotations
 
-import os
-import signal
-import socket
-import subprocess
-import sys
-import tempfile
-import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
-from pathlib import Path
 
-import httpx
-import openai
 import pytest
 
-STARTUP_TIMEOUT_S = 90.0
-API_KEY = "test-secret-key"
-
-
-def free_port() -> int:
-    """A port nobody listens on right now (127.0.0.1 only)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-@dataclass
-class ServerProcess:
-    """A `cllm serve` subprocess and how to talk to it."""
-
-    proc: subprocess.Popen[bytes]
-    port: int
-    log_path: Path
-    api_key: str | None = None
-    _log_file: object = field(default=None, repr=False)
-
-    @property
-    def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def headers(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-
-    def http(self, timeout: float | httpx.Timeout = 60.0) -> httpx.Client:
-        return httpx.Client(base_url=self.base_url, headers=self.headers(), timeout=timeout)
-
-    def async_http(self, timeout: float | httpx.Timeout = 120.0) -> httpx.AsyncClient:
-        return httpx.AsyncClient(base_url=self.base_url, headers=self.headers(), timeout=timeout)
-
-    def openai(self) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{self.base_url}/v1", api_key=self.api_key or "unused", max_retries=0, timeout=60.0)
-
-    def async_openai(self) -> openai.AsyncOpenAI:
-        return openai.AsyncOpenAI(base_url=f"{self.base_url}/v1", api_key=self.api_key or "unused", max_retries=0, timeout=120.0)
-
-    def log_text(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def wait_ready(self, timeout_s: float = STARTUP_TIMEOUT_S) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"cllm serve exited with {self.proc.returncode}:\n{self.log_text()[-4000:]}")
-            try:
-                if httpx.get(f"{self.base_url}/health", timeout=2.0).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-        raise RuntimeError(f"cllm serve not ready after {timeout_s}s:\n{self.log_text()[-4000:]}")
-
-    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 30.0) -> int:
-        """Signal the server and wait for it; kills it (and fails) if it does not exit in time."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-                raise AssertionError(f"server did not exit {timeout_s}s after signal {sig}:\n{self.log_text()[-4000:]}")
-        return int(self.proc.returncode)
-
-
-def start_server(*args: str, api_key: str | None = None, wait: bool = True) -> ServerProcess:
-    """Start `python -m cllm serve` on a free port with extra CLI ``args``."""
-    port = free_port()
-    log_fd, log_name = tempfile.mkstemp(prefix=f"cllm-serve-{port}-", suffix=".log")
-    os.close(log_fd)
-    log_file = open(log_name, "wb")  # noqa: SIM115 - closed by the fixture
-    # One thread: on a shared, busy CI machine llama.cpp's spinning thread barrier makes
-    # two threads many times slower than one, and tests care about stable timing.
-    cmd = [sys.executable, "-m", "cllm", "serve", "--host", "127.0.0.1", "--port", str(port), "--n-threads", "1", *args]
-    if api_key:
-        cmd += ["--api-key", api_key]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CLLM_")}
-    proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env)
-    server = ServerProcess(proc=proc, port=port, log_path=Path(log_name), api_key=api_key, _log_file=log_file)
-    if wait:
-        try:
-            server.wait_ready()
-        except Exception:
-            server.stop(signal.SIGKILL)
-            raise
-    return server
+from cllm.stress.server_process import (  # noqa: F401 - re-exported for the tests that import them here
+    API_KEY,
+    STARTUP_TIMEOUT_S,
+    ServerProcess,
+    finish_server,
+    free_port,
+    start_server,
+)
 
 
 def _finish(server: ServerProcess) -> None:
-    code = server.stop()
-    server._log_file.close()  # type: ignore[attr-defined]
-    log = server.log_text()
-    assert code == 0, f"server exited with {code}:\n{log[-4000:]}"
-    assert "Traceback" not in log, f"the server logged an exception:\n{log[-6000:]}"
-    server.log_path.unlink(missing_ok=True)  # kept only when something failed
+    finish_server(server)
 
 
 @pytest.fixture(scope="module")

@@ -236,7 +236,7 @@ def test_extension_parameters(server: ServerProcess) -> None:
     resp = server.openai().completions.create(
         model="", prompt=PROMPT, max_tokens=10, temperature=0.8, seed=3, user="tester",
         presence_penalty=0.5, frequency_penalty=0.5, logit_bias={"28": -100},
-        extra_body={"top_k": 20, "min_p": 0.05, "repetition_penalty": 1.1, "min_tokens": 10, "ignore_eos": True, "priority": 1, "stop_token_ids": [2]},
+        extra_body={"top_k": 20, "min_p": 0.05, "repetition_penalty": 1.1, "min_tokens": 10, "ignore_eos": True, "stop_token_ids": [2]},
     )
     assert resp.usage.completion_tokens == 10  # type: ignore[union-attr]  # min_tokens == max_tokens, EOS ignored
 
