@@ -16,6 +16,9 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
+KvCacheType = Literal["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1"]
+
+
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
 
@@ -40,6 +43,17 @@ class LlamaCppConfig(_Section):
     prefix_cache: bool = Field(True, description="keep finished sequences' KV in idle slots for prefix reuse")
     slot_prompt_similarity: float = Field(0.5, ge=0.0, le=1.0, description="a cached prefix is reused only when it covers at least this fraction of the new prompt (as llama-server's --slot-prompt-similarity); otherwise the request takes an empty slot, else the least recently used one, so a shared BOS or chat header never evicts a long cached conversation")
     kv_unified: bool = Field(False, description="false = n_ctx/n_seq_max KV cells per sequence (no sequence attends to another's cells), as llama-server; true = one pool shared by all sequences (one may use all of n_ctx). Either way batch composition can change logits by float rounding (README, Reproducibility)")
+    n_gpu_layers: int | None = Field(None, ge=-1, description="model layers offloaded to the GPU; None = all when the installed llama-cpp-python has a GPU backend (llama_supports_gpu_offload), else 0; -1 = all")
+    type_k: KvCacheType = Field("f16", description="KV cache element type of keys (llama-server --cache-type-k): f32, f16, bf16, q8_0, q4_0, q4_1, iq4_nl, q5_0, q5_1")
+    type_v: KvCacheType = Field("f16", description="KV cache element type of values; a quantized type (q*/iq*) needs flash_attn: true")
+    offload_kqv: bool = Field(True, description="keep the KV cache and attention on the GPU with the offloaded layers (false: in host memory)")
+
+    @model_validator(mode="after")
+    def _quantized_v_needs_flash(self) -> LlamaCppConfig:
+        # llama.cpp refuses a quantized V cache without flash attention (its non-FA path transposes V).
+        if self.type_v not in ("f32", "f16", "bf16") and not self.flash_attn:
+            raise ValueError(f"type_v={self.type_v!r} (a quantized V cache) needs flash_attn: true in llama.cpp")
+        return self
 
 
 class TorchConfig(_Section):
@@ -49,6 +63,9 @@ class TorchConfig(_Section):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description="auto = bfloat16 on CUDA and on CPUs with native bf16 (AVX512-BF16 or AMX), else float32")
     block_size: int = Field(16, ge=1, le=1024, description="tokens per paged KV block")
     torch_compile: bool = Field(False, description="wrap the model forward in torch.compile")
+    gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0, description="CUDA: share of the device's memory cllm may use (weights + activations + KV); the KV pool gets what is left of it after the weights load, as vLLM (n_ctx then only caps max_model_len)")
+    gpu_n_seq_max: int | None = Field(256, ge=1, le=4096, description="CUDA: sequences that can hold KV at once (model.n_seq_max is CPU-sized); null = n_seq_max")
+    gpu_n_batch: int | None = Field(8192, ge=1, le=1 << 20, description="CUDA: most tokens in one forward call (model.n_batch is CPU-sized); null = n_batch")
 
 
 class SchedulerConfig(_Section):

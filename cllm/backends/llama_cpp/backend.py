@@ -27,6 +27,7 @@ import numpy as np
 
 from cllm.backends.base import Admission, Backend, BackendCapacity, BackendError, KVCacheFullError, Tokenizer
 from cllm.backends.llama_cpp.native import LlamaBatchBuffer, LlamaContextHandle, LlamaModelHandle
+from cllm.backends.llama_cpp.offload import kv_cache_type, resolve_gpu_layers
 from cllm.backends.llama_cpp.slot_pool import SeqSlotPool, Slot
 from cllm.backends.llama_cpp.tokenizer import LlamaCppTokenizer
 from cllm.config import CllmConfig
@@ -50,10 +51,12 @@ class LlamaCppBackend(Backend):
         path = resolve_model_path(m.model)
         if path.is_dir() or path.suffix.lower() != ".gguf":
             raise ValueError(f"model={str(path)!r}: the llama_cpp backend needs a .gguf file")
-        self._model = LlamaModelHandle(path=path)
+        self.n_gpu_layers = resolve_gpu_layers(lc.n_gpu_layers)
+        self._model = LlamaModelHandle(path=path, n_gpu_layers=self.n_gpu_layers)
         self._ctx = LlamaContextHandle(
             model=self._model, n_ctx=m.n_ctx, n_batch=m.n_batch, n_ubatch=lc.n_ubatch,
             n_seq_max=m.n_seq_max, n_threads=m.n_threads or os.cpu_count() or 1, flash_attn=lc.flash_attn, kv_unified=lc.kv_unified,
+            type_k=kv_cache_type(lc.type_k), type_v=kv_cache_type(lc.type_v), offload_kqv=lc.offload_kqv,
         )
         self._batch = LlamaBatchBuffer(capacity=m.n_batch)
         self._tokenizer = LlamaCppTokenizer(model=self._model)

@@ -14,6 +14,8 @@ from pathlib import Path
 import llama_cpp as C
 import numpy as np
 
+from cllm.backends.llama_cpp.offload import KV_CACHE_TYPES
+
 log = logging.getLogger("cllm.llama_cpp")
 _backend_once = threading.Lock()
 _backend_ready = False
@@ -47,14 +49,19 @@ def _silent_log(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
             log.log(py_level, "llama.cpp: %s", message)
 
 
+def model_params(*, n_gpu_layers: int) -> C.llama_model_params:
+    """llama.cpp's default model params with our offload choice (see offload.resolve_gpu_layers)."""
+    params = C.llama_model_default_params()
+    params.n_gpu_layers = n_gpu_layers
+    return params
+
+
 class LlamaModelHandle:
     """A loaded GGUF model (llama_model*) and its vocabulary."""
 
-    def __init__(self, *, path: Path) -> None:
+    def __init__(self, *, path: Path, n_gpu_layers: int = 0) -> None:
         _init_llama_backend()
-        params = C.llama_model_default_params()
-        params.n_gpu_layers = 0
-        ptr = C.llama_model_load_from_file(str(path).encode(), params)
+        ptr = C.llama_model_load_from_file(str(path).encode(), model_params(n_gpu_layers=n_gpu_layers))
         if not ptr:
             raise ValueError(f"llama.cpp could not load model file {str(path)!r} (not a valid GGUF?)")
         self.ptr = ptr
@@ -86,7 +93,9 @@ class LlamaContextHandle:
     """
 
     def __init__(self, *, model: LlamaModelHandle, n_ctx: int, n_batch: int, n_ubatch: int,
-                 n_seq_max: int, n_threads: int, flash_attn: bool, kv_unified: bool) -> None:
+                 n_seq_max: int, n_threads: int, flash_attn: bool, kv_unified: bool,
+                 type_k: int = KV_CACHE_TYPES["f16"], type_v: int = KV_CACHE_TYPES["f16"],
+                 offload_kqv: bool = True) -> None:
         params = C.llama_context_default_params()
         params.n_ctx = n_ctx
         params.n_batch = n_batch
@@ -97,6 +106,9 @@ class LlamaContextHandle:
         params.kv_unified = kv_unified
         params.no_perf = True
         params.flash_attn_type = C.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn else C.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        params.type_k = type_k
+        params.type_v = type_v
+        params.offload_kqv = offload_kqv  # KV cache and attention ops on the GPU with the offloaded layers
         ptr = C.llama_init_from_model(model.ptr, params)
         if not ptr:
             raise RuntimeError(f"llama.cpp could not create a context (n_ctx={n_ctx}, n_seq_max={n_seq_max}): out of memory?")

@@ -22,6 +22,7 @@ from cllm.backends.torch.block_manager import BlockManager
 from cllm.backends.torch.device import resolve_device, resolve_dtype
 from cllm.backends.torch.kv_cache import KVCacheShape, PagedKVCache
 from cllm.backends.torch.loader import LoadedModel, ModelSpec, load_model
+from cllm.backends.torch.memory import activation_bytes, check_startup_free, cuda_memory, kv_bytes_per_token, size_kv_pool
 from cllm.backends.torch.model import CausalLM
 from cllm.backends.torch.tokenizer import HFTokenizer
 from cllm.config import CllmConfig
@@ -50,6 +51,8 @@ class TorchBackend(Backend):
         self.dtype = resolve_dtype(config.torch.dtype, self.device)
         if self.device.type == "cpu":
             torch.set_num_threads(config.model.n_threads or _usable_cores())
+        if self.device.type == "cuda":
+            check_startup_free(cuda_memory(self.device), config.torch.gpu_memory_utilization)
         loaded = load_model(resolve_model_path(config.model.model))
         self.spec = loaded.spec
         self._tokenizer = _load_tokenizer(loaded)
@@ -58,7 +61,9 @@ class TorchBackend(Backend):
         )
         del loaded
         block_size = config.torch.block_size
-        num_blocks = -(-config.model.n_ctx // block_size)
+        max_seqs, max_tokens = _step_limits(config, self.device)
+        max_len = _max_model_len(self.spec, config.model.n_ctx)
+        num_blocks = self._num_blocks(config, block_size, max_seqs, max_tokens, max_len)
         self.blocks = BlockManager(num_blocks=num_blocks, block_size=block_size)
         self._use_flash = flash_usable(self.device, block_size)
         self.kv = PagedKVCache(
@@ -66,11 +71,26 @@ class TorchBackend(Backend):
             dtype=self.dtype, device=self.device, head_major=not self._use_flash,
         )
         self._capacity = BackendCapacity(
-            max_num_seqs=config.model.n_seq_max,
-            max_batch_tokens=config.model.n_batch,
-            max_model_len=_max_model_len(self.spec, config.model.n_ctx),
-            kv_tokens=num_blocks * block_size,
+            max_num_seqs=max_seqs, max_batch_tokens=max_tokens, max_model_len=max_len, kv_tokens=num_blocks * block_size,
         )
+
+    def _num_blocks(self, config: CllmConfig, block_size: int, max_seqs: int, max_tokens: int, max_len: int) -> int:
+        """CPU: n_ctx tokens. CUDA: what gpu_memory_utilization leaves after the weights (ValueError if
+        not even one max_model_len sequence fits)."""
+        if self.device.type != "cuda":
+            return -(-config.model.n_ctx // block_size)
+        s = self.spec
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        reserve = activation_bytes(
+            max_batch_tokens=max_tokens, max_num_seqs=max_seqs, hidden=s.hidden_size, intermediate=s.intermediate_size,
+            heads=s.num_heads, head_dim=s.head_dim, vocab=s.vocab_size, itemsize=itemsize,
+        )
+        per_block = block_size * kv_bytes_per_token(s.num_layers, s.num_kv_heads, s.head_dim, self.dtype)
+        sizing = size_kv_pool(
+            cuda_memory(self.device), utilization=config.torch.gpu_memory_utilization, activation_reserve=reserve,
+            bytes_per_block=per_block, block_size=block_size, min_tokens=max_len,
+        )
+        return sizing.num_blocks
 
     # ----- contract: fixed facts -----------------------------------------------------------
 
@@ -251,6 +271,14 @@ def _load_tokenizer(loaded: LoadedModel) -> HFTokenizer | None:
     if not has_files:
         return None
     return HFTokenizer.load(directory, gguf_file=loaded.gguf_file, vocab_size=loaded.spec.vocab_size, extra_eos_ids=loaded.eos_token_ids)
+
+
+def _step_limits(config: CllmConfig, device: torch.device) -> tuple[int, int]:
+    """Sequences at once and tokens per step: n_seq_max / n_batch (CPU-sized), or the gpu_* values on CUDA."""
+    m, t = config.model, config.torch
+    if device.type == "cuda":
+        return t.gpu_n_seq_max or m.n_seq_max, t.gpu_n_batch or m.n_batch
+    return m.n_seq_max, m.n_batch
 
 
 def _usable_cores() -> int:

@@ -1,0 +1,166 @@
+"""Batched sampler on the logits' own device (torch): the numpy sampler's semantics, without the copy.
+
+Same processing order as :mod:`cllm.sampling.sampler`: logit_bias, penalties,
+min_tokens suppression, logprobs (before temperature), then greedy argmax or
+temperature -> min_p -> top_k -> top_p -> inverse-CDF draw. The logits stay on
+their device; only the chosen ids (and, for rows that ask, their logprobs and
+top alternatives) come back to the host. What goes to the device per step is
+small: the biased / penalised token ids and one uniform number per sampled row.
+
+That uniform comes from the request's own ``np.random.Generator`` (one
+``rng.random()`` per step, exactly as the numpy sampler draws it), so a seeded
+request consumes the same random stream whichever sampler serves it and
+whatever its batch-mates are. The two samplers then pick the same token unless
+the uniform falls within float rounding of a CDF boundary (their cumulative
+sums round differently).
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from cllm.sampling.sampler import SampledToken, SamplingRow
+
+
+@dataclass(slots=True)
+class DeviceSample:
+    """The chosen tokens of a batch, still on the logits' device, plus the host-side results."""
+
+    token_ids: torch.Tensor  # [B] int64 on the logits' device (next step's input without a round trip)
+    results: list[SampledToken]  # per row: id, and logprobs when asked (host values)
+
+
+def sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[SampledToken]:
+    """Sample one token per row of ``logits`` ``[B, vocab]`` (modified in place), as the numpy sampler."""
+    return sample_on_device(logits, rows).results
+
+
+def sample_on_device(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> DeviceSample:
+    """:func:`sample`, also returning the chosen ids as a device tensor."""
+    if logits.dim() != 2 or logits.shape[0] != len(rows):
+        raise ValueError(f"logits of shape {tuple(logits.shape)} for {len(rows)} sequences (want [{len(rows)}, vocab])")
+    if logits.dtype != torch.float32:
+        raise ValueError(f"logits dtype {logits.dtype}: the sampler works in float32, as the numpy one")
+    _apply_biases_and_penalties(logits, rows)
+    logprob_rows = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+    logprobs = torch.log_softmax(logits[logprob_rows], dim=-1) if logprob_rows else None
+    greedy = [r.params.greedy for r in rows]
+    chosen = logits.argmax(dim=1)
+    stochastic = [i for i, g in enumerate(greedy) if not g]
+    if stochastic:
+        index = torch.tensor(stochastic, device=logits.device)
+        chosen[index] = _draw(logits.index_select(0, index), [rows[i] for i in stochastic])
+    return DeviceSample(chosen, _results(chosen, rows, logprob_rows, logprobs))
+
+
+def _flat_index(per_row: Sequence[np.ndarray], vocab: int) -> np.ndarray:
+    """Row-major flat indices (row * vocab + id) of each row's ids."""
+    parts = [ids.astype(np.int64) + i * vocab for i, ids in enumerate(per_row) if len(ids)]
+    return np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
+
+
+def _apply_biases_and_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+    """Every row's bias, penalties and min_tokens mask as a few batched scatters (no per-row kernels)."""
+    vocab, device, flat = logits.shape[1], logits.device, logits.view(-1)
+    bias_ids = [np.fromiter(r.params.logit_bias.keys(), dtype=np.int64) if r.params.logit_bias else np.empty(0, np.int64) for r in rows]
+    if any(len(b) for b in bias_ids):
+        values = np.concatenate([np.fromiter(r.params.logit_bias.values(), dtype=np.float32) for r in rows if r.params.logit_bias])
+        flat.index_add_(0, _to(device, _flat_index(bias_ids, vocab)), _to(device, values))
+    if any(r.params.has_penalties for r in rows):
+        _apply_penalties(logits, rows)
+    blocked = [np.fromiter(r.stop_ids, dtype=np.int64) if len(r.output_token_ids) < r.params.min_tokens and r.stop_ids
+               else np.empty(0, np.int64) for r in rows]
+    if any(len(b) for b in blocked):
+        flat[_to(device, _flat_index(blocked, vocab))] = float("-inf")
+
+
+def _apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+    vocab, device, flat = logits.shape[1], logits.device, logits.view(-1)
+    seen = [np.unique(np.asarray(list(r.prompt_token_ids) + list(r.output_token_ids), dtype=np.int64))
+            if r.params.repetition_penalty != 1.0 else np.empty(0, np.int64) for r in rows]
+    if any(len(s) for s in seen):
+        index = _to(device, _flat_index(seen, vocab))
+        factor = _to(device, np.repeat([r.params.repetition_penalty for r in rows], [len(s) for s in seen]).astype(np.float32))
+        vals = flat[index]
+        flat[index] = torch.where(vals > 0, vals / factor, vals * factor)
+    counted = [np.unique(np.asarray(r.output_token_ids, dtype=np.int64), return_counts=True)
+               if r.output_token_ids and (r.params.presence_penalty or r.params.frequency_penalty)
+               else (np.empty(0, np.int64), np.empty(0, np.int64)) for r in rows]
+    if any(len(ids) for ids, _ in counted):
+        index = _to(device, _flat_index([ids for ids, _ in counted], vocab))
+        # the numpy sampler's `frequency * count + presence`, in float64 there, cast once: same here
+        amount = np.concatenate([r.params.frequency_penalty * counts + r.params.presence_penalty
+                                 for r, (_, counts) in zip(rows, counted) if len(counts)]).astype(np.float32)
+        flat.index_add_(0, index, -_to(device, amount))
+
+
+def _draw(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """Temperature, min_p / top_k / top_p truncation, then one inverse-CDF draw per row."""
+    device, vocab = logits.device, logits.shape[1]
+    temps = _to(device, np.array([r.params.temperature for r in rows], dtype=np.float32))[:, None]
+    scaled = logits / temps
+    scaled -= scaled.max(dim=1, keepdim=True).values
+    probs = scaled.exp_()
+    probs /= probs.sum(dim=1, keepdim=True)
+    probs = _truncate(probs, rows)
+    probs /= probs.sum(dim=1, keepdim=True)
+    u = _to(device, np.array([r.rng.random() for r in rows], dtype=np.float64)).to(torch.float32)[:, None]
+    cdf = probs.cumsum(dim=1)
+    picked = (cdf < u * cdf[:, -1:]).sum(dim=1)
+    return picked.clamp_(max=vocab - 1)
+
+
+def _truncate(probs: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """Zero tokens outside min_p, then top_k, then top_p (nucleus) — the numpy sampler's order.
+
+    One stable descending sort serves all three: each filter drops a suffix of that order
+    (everything below a threshold), so the order of what remains never changes.
+    """
+    device, vocab = probs.device, probs.shape[1]
+    params = [r.params for r in rows]
+    min_p = _to(device, np.array([p.min_p for p in params], dtype=np.float32))[:, None]
+    probs = probs.masked_fill(probs < min_p * probs.max(dim=1, keepdim=True).values, 0.0)
+    sorted_probs, order = probs.sort(dim=1, descending=True, stable=True)
+    top_k = np.array([p.top_k if p.top_k and p.top_k < vocab else vocab for p in params], dtype=np.int64)
+    kth = sorted_probs.gather(1, _to(device, top_k - 1)[:, None])
+    sorted_probs = sorted_probs.masked_fill(sorted_probs < kth, 0.0)
+    top_p = np.array([p.top_p for p in params], dtype=np.float32)
+    if (top_p < 1.0).any():
+        mass = _to(device, top_p)[:, None] * sorted_probs.sum(dim=1, keepdim=True)
+        # smallest prefix reaching the mass: the numpy sampler's searchsorted(cum, mass) + 1
+        keep = (sorted_probs.cumsum(dim=1) < mass).sum(dim=1, keepdim=True) + 1
+        keep = torch.where(_to(device, top_p < 1.0)[:, None], keep, vocab)
+        ranks = torch.arange(vocab, device=device)[None, :]
+        sorted_probs = sorted_probs.masked_fill(ranks >= keep, 0.0)
+    return torch.zeros_like(probs).scatter_(1, order, sorted_probs)
+
+
+def _results(chosen: torch.Tensor, rows: Sequence[SamplingRow], logprob_rows: list[int],
+             logprobs: torch.Tensor | None) -> list[SampledToken]:
+    """Host results: one copy of the chosen ids, and of the asked-for logprobs only."""
+    ids = chosen.tolist()
+    out = [SampledToken(int(t), None, [], []) for t in ids]
+    if logprobs is None:
+        return out
+    picked = torch.tensor([ids[i] for i in logprob_rows], device=logprobs.device)
+    chosen_lp = logprobs.gather(1, picked[:, None])[:, 0].tolist()
+    k_max = max(rows[i].params.logprobs or 0 for i in logprob_rows)
+    top_lp, top_ids = (logprobs.topk(k_max, dim=1, sorted=True) if k_max else (None, None))
+    top_lp = top_lp.tolist() if top_lp is not None else None
+    top_ids = top_ids.tolist() if top_ids is not None else None
+    for j, i in enumerate(logprob_rows):
+        res = out[i]
+        res.logprob = float(chosen_lp[j])
+        k = rows[i].params.logprobs or 0
+        if k:
+            res.top_ids = [int(t) for t in top_ids[j][:k]]  # type: ignore[index]
+            res.top_logprobs = [float(v) for v in top_lp[j][:k]]  # type: ignore[index]
+    return out
+
+
+def _to(device: torch.device, array: np.ndarray) -> torch.Tensor:
+    """A host array on the device (non-blocking from pinned memory is not worth it for these few bytes)."""
+    return torch.from_numpy(np.ascontiguousarray(array)).to(device)

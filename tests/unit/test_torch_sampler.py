@@ -1,0 +1,174 @@
+"""The torch sampler against the numpy one, on CPU tensors (the same code runs on CUDA tensors).
+
+What is guaranteed: the same processing and the same random stream (one uniform
+per sampled row from the request's own generator), so greedy picks and logprobs
+agree up to float rounding, and seeded draws pick the same token except when
+the uniform lies within rounding of a CDF boundary — which the check below
+measures instead of assuming it never happens.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from cllm.sampling import sampler as np_sampler
+from cllm.sampling import torch_sampler
+from cllm.sampling.params import SamplingParams
+from cllm.sampling.sampler import SamplingRow
+
+VOCAB = 512
+STOP = frozenset({3, 7})
+BOUNDARY_TOL = 1e-5  # float32 CDF rounding at this vocab size is ~1e-7; a mismatch must sit this close
+
+
+def make_rows(params: list[SamplingParams], seeds: list[int], outputs: list[list[int]]) -> list[SamplingRow]:
+    return [SamplingRow(p, np.random.default_rng(s), [1, 2, 5, 5], out, STOP) for p, s, out in zip(params, seeds, outputs)]
+
+
+def both(logits: np.ndarray, params: list[SamplingParams], seeds: list[int], outputs: list[list[int]]):
+    """(numpy results, torch results, the uniforms both drew) on copies of the same logits."""
+    ref = np_sampler.sample(logits.copy(), make_rows(params, seeds, outputs))
+    got = torch_sampler.sample(torch.from_numpy(logits.copy()), make_rows(params, seeds, outputs))
+    return ref, got
+
+
+def penalised_params() -> list[SamplingParams]:
+    return [
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=0, logit_bias={11: 4.0, 12: -100.0}),
+        SamplingParams(temperature=0, repetition_penalty=1.3, presence_penalty=0.4, frequency_penalty=0.2),
+        SamplingParams(temperature=0, min_tokens=5),
+        SamplingParams(temperature=0, logprobs=3),
+        SamplingParams(temperature=0, logprobs=0, repetition_penalty=0.8),
+    ]
+
+
+def test_greedy_with_bias_penalties_min_tokens_and_logprobs_matches_numpy():
+    rng = np.random.default_rng(0)
+    params = penalised_params()
+    for step in range(10):
+        logits = rng.normal(scale=3.0, size=(len(params), VOCAB)).astype(np.float32)
+        logits[3, 3] = 50.0  # a stop token min_tokens must hold back
+        outputs = [list(rng.integers(0, VOCAB, size=step)) for _ in params]
+        ref, got = both(logits, params, list(range(len(params))), outputs)
+        assert [r.token_id for r in got] == [r.token_id for r in ref]
+        # the stop id holds the top logit: masked while fewer than min_tokens=5 outputs, picked after
+        assert (got[3].token_id == 3) == (step >= 5)
+        for r, g in zip(ref, got):
+            assert (g.logprob is None) == (r.logprob is None)
+            if r.logprob is not None:
+                assert g.logprob == pytest.approx(r.logprob, abs=1e-4)
+                assert g.top_ids == r.top_ids
+                assert np.allclose(g.top_logprobs, r.top_logprobs, atol=1e-4)
+        assert len(got[4].top_ids) == 3 and got[5].top_ids == []
+
+
+def test_bias_and_penalties_change_the_pick_as_numpy_does():
+    logits = np.zeros((3, VOCAB), dtype=np.float32)
+    logits[:, 20], logits[:, 21] = 2.0, 1.9
+    params = [SamplingParams(temperature=0, presence_penalty=0.5), SamplingParams(temperature=0, repetition_penalty=1.2),
+              SamplingParams(temperature=0, logit_bias={22: 5.0})]
+    ref, got = both(logits, params, [0, 0, 0], [[20], [20], []])
+    assert [g.token_id for g in got] == [r.token_id for r in ref] == [21, 21, 22]
+
+
+def seeded_params() -> list[SamplingParams]:
+    return [
+        SamplingParams(temperature=1.0, seed=1),
+        SamplingParams(temperature=0.7, top_k=20, seed=2),
+        SamplingParams(temperature=1.3, top_p=0.9, seed=3),
+        SamplingParams(temperature=1.0, min_p=0.05, seed=4),
+        SamplingParams(temperature=0.9, top_k=50, top_p=0.8, min_p=0.02, seed=5),
+        SamplingParams(temperature=0),  # greedy row between sampled ones consumes no uniform
+        SamplingParams(temperature=1.0, repetition_penalty=1.1, frequency_penalty=0.3, logit_bias={9: 2.0}, seed=6),
+        SamplingParams(temperature=0.8, min_tokens=3, logprobs=2, seed=7),
+    ]
+
+
+def cdf_distance(logits: np.ndarray, rows: list[SamplingRow], i: int, u: float) -> float:
+    """Distance of u to the nearest CDF boundary of row i's final (numpy) distribution, in float64."""
+    x = logits[i : i + 1].copy()
+    np_sampler._apply_biases_and_penalties(x, rows[i : i + 1])
+    p = rows[i].params
+    scaled = x[0].astype(np.float64) / p.temperature
+    probs = np.exp(scaled - scaled.max())
+    probs /= probs.sum()
+    probs32 = probs.astype(np.float32)
+    np_sampler._truncate(probs32, p)
+    cdf = np.cumsum(probs32.astype(np.float64))
+    cdf /= cdf[-1]
+    return float(np.min(np.abs(cdf - u)))
+
+
+def test_seeded_draws_match_numpy_except_within_rounding_of_a_boundary():
+    rng = np.random.default_rng(42)
+    params = seeded_params()
+    seeds = [p.seed or 0 for p in params]
+    np_rows, t_rows = make_rows(params, seeds, [[] for _ in params]), make_rows(params, seeds, [[] for _ in params])
+    mismatches, total = 0, 0
+    for step in range(40):
+        logits = rng.normal(scale=2.0, size=(len(params), VOCAB)).astype(np.float32)
+        outputs = [list(rng.integers(0, VOCAB, size=step % 5)) for _ in params]
+        for r_np, r_t, out in zip(np_rows, t_rows, outputs):
+            r_np.output_token_ids = r_t.output_token_ids = out
+        # generator states before the step, to recover the uniform a mismatching row drew
+        states = [r.rng.bit_generator.state for r in np_rows]
+        ref = np_sampler.sample(logits.copy(), np_rows)
+        got = torch_sampler.sample(torch.from_numpy(logits.copy()), t_rows)
+        for i, (r, g) in enumerate(zip(ref, got)):
+            total += 1
+            if r.token_id != g.token_id:
+                probe = np.random.default_rng()
+                probe.bit_generator.state = states[i]
+                u = probe.random()
+                assert cdf_distance(logits, np_rows, i, u) < BOUNDARY_TOL, (step, i, r.token_id, g.token_id)
+                mismatches += 1
+        # both samplers drew the same number of uniforms: the generators are still in step
+        assert [r.rng.bit_generator.state for r in np_rows] == [r.rng.bit_generator.state for r in t_rows]
+    assert mismatches <= total // 100
+
+
+def test_seeded_row_draws_the_same_alone_and_in_any_batch():
+    rng = np.random.default_rng(3)
+    logits = rng.normal(size=(4, VOCAB)).astype(np.float32)
+    target = SamplingParams(temperature=1.0, top_p=0.95, seed=11)
+    alone = torch_sampler.sample(torch.from_numpy(logits[2:3].copy()), make_rows([target], [11], [[]]))[0]
+    mates = [SamplingParams(temperature=0.5, seed=1), SamplingParams(temperature=0), target, SamplingParams(temperature=2.0, top_k=3)]
+    batch = torch_sampler.sample(torch.from_numpy(logits.copy()), make_rows(mates, [1, 2, 11, 4], [[]] * 4))
+    assert batch[2].token_id == alone.token_id
+
+
+def test_frequencies_follow_the_truncated_softmax():
+    logits = np.log(np.array([0.4, 0.3, 0.2, 0.1], dtype=np.float32))
+    n = 3000
+    gen = np.random.default_rng(1)
+
+    def draw(p: SamplingParams) -> np.ndarray:
+        rows = [SamplingRow(p, gen, [], [], frozenset()) for _ in range(n)]
+        return np.array([s.token_id for s in torch_sampler.sample(torch.from_numpy(np.repeat(logits[None], n, axis=0)), rows)])
+
+    freq = np.bincount(draw(SamplingParams(temperature=1.0)), minlength=4) / n
+    assert np.allclose(freq, [0.4, 0.3, 0.2, 0.1], atol=0.03)
+    assert set(draw(SamplingParams(temperature=1.0, top_k=2))) == {0, 1}
+    assert set(draw(SamplingParams(temperature=1.0, top_p=0.65))) == {0, 1}
+    assert set(draw(SamplingParams(temperature=1.0, min_p=0.6))) == {0, 1}
+    freq = np.bincount(draw(SamplingParams(temperature=1.0, top_k=2)), minlength=4) / n
+    assert np.allclose(freq[:2], [0.4 / 0.7, 0.3 / 0.7], atol=0.03)
+
+
+def test_chosen_ids_stay_on_the_logits_device():
+    logits = torch.randn(3, VOCAB)
+    rows = make_rows([SamplingParams(temperature=0), SamplingParams(temperature=1.0, seed=1), SamplingParams(temperature=0, logprobs=1)],
+                     [0, 1, 2], [[], [], []])
+    out = torch_sampler.sample_on_device(logits, rows)
+    assert out.token_ids.device == logits.device and out.token_ids.dtype == torch.int64
+    assert out.token_ids.tolist() == [r.token_id for r in out.results]
+
+
+@pytest.mark.parametrize("shape, dtype, text", [((2, VOCAB), torch.float32, "for 3 sequences"),
+                                               ((3, VOCAB), torch.float16, "float16")])
+def test_bad_logits_are_a_value_error(shape, dtype, text):
+    rows = make_rows([SamplingParams(temperature=0)] * 3, [0, 1, 2], [[], [], []])
+    with pytest.raises(ValueError, match=text):
+        torch_sampler.sample(torch.zeros(shape, dtype=dtype), rows)
