@@ -137,14 +137,15 @@ def _assert_matches_reference(model: torch.nn.Module, driver: Driver) -> int:
     return checked
 
 
-@pytest.mark.parametrize("decode_kernel", ["sdpa", "matmul"])
+@pytest.mark.parametrize("decode_kernel", ["sdpa", "matmul", "flex"])
 def test_mixed_batches_match_transformers(
     arch_model: tuple[str, torch.nn.Module, Path], decode_kernel: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     _, model, path = arch_model
     # Decode groups switch from SDPA to matmul attention above a size; force each kernel.
     monkeypatch.setattr(attention, "MATMUL_DECODE_MIN_KEYS", 0 if decode_kernel == "matmul" else 1 << 62)
-    backend = _backend(path)
+    # flex: FlexAttention over the paged pool (eager here: the pool is tiny) for decode and cached-prefix chunks.
+    backend = _backend(path, attention="flex" if decode_kernel == "flex" else "sdpa")
     rng = np.random.default_rng(7)
     prompts = {name: rng.integers(0, 300, size=n).tolist() for name, n in (("a", 17), ("b", 5), ("c", 31))}
     d = Driver(backend)

@@ -4,26 +4,35 @@ A step mixes decode tokens (one per sequence) and prefill chunks (many tokens
 of one sequence, possibly after a cached prefix). The per-step metadata is built
 once (:func:`build_attention_batch`) and shared by every layer:
 
-- SDPA path (CPU, and CUDA without flash-attn): all one-token sequences form one
+- Every path: a chunk with nothing cached before it (a fresh prefill) attends
+  over its own fresh K/V with SDPA's causal kernel (``is_causal``, GQA native):
+  no mask is built.
+- SDPA path (the CPU default): all one-token sequences form one
   padded group: their K/V are gathered block-wise by block table into
   ``[B, kv_heads, max_len, dim]`` with a length mask, and one attention call
-  serves them all. Each multi-token chunk gets its own call with a causal
-  position mask: over its fresh K/V when nothing precedes it, else over its
-  gathered blocks. Grouped-query heads are folded into the query-length axis
-  (``[B, kv_heads, group * q_len, dim]``) so K/V are never repeated per head.
+  serves them all. A chunk after a cached prefix gets its own call with a
+  causal position mask over its gathered blocks. Grouped-query heads are
+  folded into the query-length axis (``[B, kv_heads, group * q_len, dim]``) so
+  K/V are never repeated per head.
+- FlexAttention path (the CUDA default, selectable on CPU): the decode group
+  and each chunk after a cached prefix read their live blocks in place through
+  a paged block mask (:mod:`flex`): nothing gathered, nothing padded.
 - flash-attn path (CUDA, flash_attn installed, block_size a multiple of 256 as
   its paged kernel requires): one ``flash_attn_varlen_func`` call over the
   whole batch, reading K/V straight from the block pool.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
+from cllm.backends.torch.flex import (
+    FlexChunk, FlexDecode, build_flex_chunk, build_flex_decode, flex_chunk_attention, flex_decode_attention,
+)
 from cllm.backends.torch.kv_cache import PagedKVCache
 
 try:  # optional CUDA kernels
@@ -64,8 +73,8 @@ class PrefillChunk:
 
     row_start: int  # first flat row
     row_end: int  # one past its last flat row
-    gather_index: torch.Tensor | None  # (block, head) index of its whole context; None = no earlier context (fresh K/V)
-    mask: torch.Tensor  # [1, 1, group * q_len, keys] True where a key's position <= the query's
+    gather_index: torch.Tensor | None  # (head, block) index of its whole context; None = no earlier context (fresh K/V)
+    mask: torch.Tensor | None  # [1, 1, group * q_len, keys] True where a key's position <= the query's; None = fresh (causal kernel)
 
 
 @dataclass(slots=True)
@@ -84,14 +93,30 @@ class AttentionBatch:
     """Everything attention needs for one step, shared by all layers."""
 
     write_rows: torch.Tensor  # [T * kv_heads] cache rows of the new tokens' K/V (PagedKVCache.write_rows)
-    decode: DecodeGroup | None  # the one-token sequences (SDPA path)
-    prefills: list[PrefillChunk]  # the multi-token chunks (SDPA path)
+    decode: DecodeGroup | FlexDecode | None  # the one-token sequences (SDPA or FlexAttention path)
+    prefills: list[PrefillChunk | FlexChunk]  # the multi-token chunks
     flash: FlashBatch | None  # set when the flash-attn path serves the whole step
+    flex_fn: Callable[..., torch.Tensor] | None = None  # flex_attention (compiled or eager) for Flex* parts
 
 
 def flash_usable(device: torch.device, block_size: int) -> bool:
     """Whether the flash-attn paged kernel can serve this cache."""
     return flash_attn_varlen_func is not None and device.type == "cuda" and block_size % FLASH_PAGE_MULTIPLE == 0
+
+
+def attention_mode(setting: str, device: torch.device, block_size: int) -> str:
+    """The attention path: ``auto`` = flash-attn's paged kernel on CUDA when usable, else FlexAttention
+    on CUDA; SDPA on CPU (compiled FlexAttention is no faster there and costs a compile, notes/torch.md)."""
+    if setting == "flash" and not flash_usable(device, block_size):
+        raise ValueError(
+            f"attention='flash' needs CUDA, the flash_attn package and block_size % {FLASH_PAGE_MULTIPLE} == 0 "
+            f"(device {device}, block_size {block_size})"
+        )
+    if setting != "auto":
+        return setting
+    if device.type == "cuda":
+        return "flash" if flash_usable(device, block_size) else "flex"
+    return "sdpa"
 
 
 def slot_mapping(chunks: Sequence[SeqChunk], block_size: int) -> np.ndarray:
@@ -105,18 +130,38 @@ def slot_mapping(chunks: Sequence[SeqChunk], block_size: int) -> np.ndarray:
 
 
 def build_attention_batch(
-    chunks: Sequence[SeqChunk], cache: PagedKVCache, *, q_per_kv: int, use_flash: bool
+    chunks: Sequence[SeqChunk], cache: PagedKVCache, *, q_per_kv: int, mode: str,
+    flex_fn: Callable[..., torch.Tensor] | None = None,
 ) -> AttentionBatch:
-    """Per-step attention metadata (one host-to-device copy per tensor, reused by every layer)."""
+    """Per-step attention metadata (one host-to-device copy per tensor, reused by every layer).
+
+    ``mode``: ``sdpa``, ``flex`` (needs ``flex_fn``) or ``flash``.
+    """
     device = cache.k.device
     block_size = cache.shape.block_size
     rows = torch.from_numpy(cache.write_rows(slot_mapping(chunks, block_size))).to(device)
-    if use_flash:
+    if mode == "flash":
         return AttentionBatch(rows, None, [], _flash_batch(chunks, block_size, device))
     single = [c for c in chunks if c.num_tokens == 1]
-    decode = _decode_group(single, cache, whole_batch=len(single) == len(chunks)) if single else None
+    whole = len(single) == len(chunks)
+    if mode == "flex":
+        decode = _flex_decode(single, cache, whole) if single else None
+        prefills = [build_flex_chunk(c.row_start, c.num_tokens, c.start_pos, c.block_ids, cache) if c.start_pos
+                    else _fresh_chunk(c) for c in chunks if c.num_tokens > 1]
+        return AttentionBatch(rows, decode, prefills, None, flex_fn)
+    decode = _decode_group(single, cache, whole_batch=whole) if single else None
     prefills = [_prefill_chunk(c, cache, q_per_kv) for c in chunks if c.num_tokens > 1]
     return AttentionBatch(rows, decode, prefills, None)
+
+
+def _flex_decode(single: Sequence[SeqChunk], cache: PagedKVCache, whole_batch: bool) -> FlexDecode:
+    rows = None if whole_batch else torch.tensor([c.row_start for c in single], device=cache.k.device)
+    return build_flex_decode([c.start_pos + 1 for c in single], [c.block_ids for c in single], rows, cache)
+
+
+def _fresh_chunk(c: SeqChunk) -> PrefillChunk:
+    """A chunk at position 0: causal attention over its own K/V, no mask."""
+    return PrefillChunk(c.row_start, c.row_start + c.num_tokens, None, None)
 
 
 def _padded_tables(chunks: Sequence[SeqChunk], num_blocks: Sequence[int]) -> np.ndarray:
@@ -139,15 +184,14 @@ def _decode_group(single: Sequence[SeqChunk], cache: PagedKVCache, *, whole_batc
 
 
 def _prefill_chunk(c: SeqChunk, cache: PagedKVCache, q_per_kv: int) -> PrefillChunk:
+    if c.start_pos == 0:  # nothing cached before it: the causal kernel over its own fresh K/V
+        return _fresh_chunk(c)
     device, block_size = cache.k.device, cache.shape.block_size
     context = c.start_pos + c.num_tokens
     q_pos = np.arange(c.start_pos, context)
-    if c.start_pos == 0:  # nothing cached before it: attend over its own fresh K/V
-        index, keys = None, np.arange(c.num_tokens)
-    else:
-        nb = -(-context // block_size)
-        table = np.asarray(c.block_ids[:nb], dtype=np.int64)[None, :]
-        index, keys = torch.from_numpy(cache.gather_index(table)).to(device), np.arange(nb * block_size)
+    nb = -(-context // block_size)
+    table = np.asarray(c.block_ids[:nb], dtype=np.int64)[None, :]
+    index, keys = torch.from_numpy(cache.gather_index(table)).to(device), np.arange(nb * block_size)
     # Folded GQA: query rows are (head-in-group, token), so the token mask repeats per head.
     mask = np.tile(keys[None, :] <= q_pos[:, None], (q_per_kv, 1))[None, None]
     return PrefillChunk(c.row_start, c.row_start + c.num_tokens, index, torch.from_numpy(mask).to(device))
@@ -178,13 +222,35 @@ def paged_attention(
     if batch.flash is not None:
         return _flash_attention(q, cache, layer, batch.flash)
     if batch.decode is not None and batch.decode.rows is None:
-        return _decode_attention(q, cache, layer, batch.decode)  # a pure decode step: no scatter
+        return _any_decode(q, cache, layer, batch)  # a pure decode step: no scatter
     out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
     if batch.decode is not None:
-        out.index_copy_(0, batch.decode.rows, _decode_attention(q, cache, layer, batch.decode))
+        out.index_copy_(0, batch.decode.rows, _any_decode(q, cache, layer, batch))
     for chunk in batch.prefills:
-        _prefill_attention(q, k, v, cache, layer, chunk, out)
+        if isinstance(chunk, FlexChunk):
+            flex_chunk_attention(q, cache, layer, chunk, batch.flex_fn, out)  # type: ignore[arg-type]
+        elif chunk.mask is None:
+            _fresh_attention(q, k, v, chunk, out)
+        else:
+            _prefill_attention(q, cache, layer, chunk, out)
     return out
+
+
+def _any_decode(q: torch.Tensor, cache: PagedKVCache, layer: int, batch: AttentionBatch) -> torch.Tensor:
+    if isinstance(batch.decode, FlexDecode):
+        return flex_decode_attention(q, cache, layer, batch.decode, batch.flex_fn)  # type: ignore[arg-type]
+    return _decode_attention(q, cache, layer, batch.decode)  # type: ignore[arg-type]
+
+
+def _fresh_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk: PrefillChunk, out: torch.Tensor) -> None:
+    """Causal SDPA of a chunk with no earlier context, over its own K/V (native GQA, no mask tensor)."""
+    n = chunk.row_end - chunk.row_start
+    sl = slice(chunk.row_start, chunk.row_end)
+    o = F.scaled_dot_product_attention(
+        q[sl].transpose(0, 1)[None], k[sl].transpose(0, 1)[None], v[sl].transpose(0, 1)[None],
+        is_causal=True, enable_gqa=True,
+    )
+    out[sl] = o[0].transpose(0, 1).reshape(n, -1)
 
 
 def _decode_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, group: DecodeGroup) -> torch.Tensor:
@@ -208,19 +274,13 @@ def _matmul_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
     return torch.matmul(probs, v)
 
 
-def _prefill_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: PagedKVCache, layer: int, chunk: PrefillChunk,
-    out: torch.Tensor,
-) -> None:
+def _prefill_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, chunk: PrefillChunk, out: torch.Tensor) -> None:
+    """A chunk after a cached prefix: masked SDPA over its gathered blocks."""
     n = chunk.row_end - chunk.row_start
     kv_heads, dim = cache.shape.num_kv_heads, cache.shape.head_dim
     # [n, heads, dim] -> [1, kv_heads, group * n, dim] with rows ordered (head-in-group, token).
     rows = q[chunk.row_start : chunk.row_end].view(n, kv_heads, -1, dim).permute(1, 2, 0, 3).reshape(1, kv_heads, -1, dim)
-    if chunk.gather_index is None:
-        keys = k[chunk.row_start : chunk.row_end].transpose(0, 1)[None]
-        values = v[chunk.row_start : chunk.row_end].transpose(0, 1)[None]
-    else:
-        keys, values = cache.gather(layer, chunk.gather_index, 1)
+    keys, values = cache.gather(layer, chunk.gather_index, 1)  # type: ignore[arg-type]
     o = F.scaled_dot_product_attention(rows, keys, values, attn_mask=chunk.mask)
     # [1, kv_heads, group * n, dim] -> [n, heads * dim]
     out[chunk.row_start : chunk.row_end] = o.view(kv_heads, -1, n, dim).permute(2, 0, 1, 3).reshape(n, -1)

@@ -17,9 +17,10 @@ import numpy as np
 import torch
 
 from cllm.backends.base import Admission, Backend, BackendCapacity, BackendError, KVCacheFullError, Tokenizer
-from cllm.backends.torch.attention import SeqChunk, build_attention_batch, flash_usable, slot_mapping
+from cllm.backends.torch.attention import SeqChunk, attention_mode, build_attention_batch, slot_mapping
 from cllm.backends.torch.block_manager import BlockManager
 from cllm.backends.torch.device import resolve_device, resolve_dtype
+from cllm.backends.torch.flex import flex_function
 from cllm.backends.torch.kv_cache import KVCacheShape, PagedKVCache
 from cllm.backends.torch.loader import LoadedModel, ModelSpec, load_model
 from cllm.backends.torch.memory import activation_bytes, check_startup_free, cuda_memory, kv_bytes_per_token, size_kv_pool
@@ -65,10 +66,12 @@ class TorchBackend(Backend):
         max_len = _max_model_len(self.spec, config.model.n_ctx)
         num_blocks = self._num_blocks(config, block_size, max_seqs, max_tokens, max_len)
         self.blocks = BlockManager(num_blocks=num_blocks, block_size=block_size)
-        self._use_flash = flash_usable(self.device, block_size)
+        self._attention = attention_mode(config.torch.attention, self.device, block_size)
+        # FlexAttention's eager fallback is dense over the whole pool: compiled on CUDA always, on CPU when asked.
+        self._flex_fn = flex_function(self.device.type == "cuda" or config.torch.torch_compile)
         self.kv = PagedKVCache(
             KVCacheShape(self.spec.num_layers, num_blocks, block_size, self.spec.num_kv_heads, self.spec.head_dim),
-            dtype=self.dtype, device=self.device, head_major=not self._use_flash,
+            dtype=self.dtype, device=self.device, head_major=self._attention != "flash",
         )
         self._capacity = BackendCapacity(
             max_num_seqs=max_seqs, max_batch_tokens=max_tokens, max_model_len=max_len, kv_tokens=num_blocks * block_size,
@@ -201,7 +204,8 @@ class TorchBackend(Backend):
             for c in chunks
         ]
         batch = build_attention_batch(
-            seq_chunks, self.kv, q_per_kv=self.spec.num_heads // self.spec.num_kv_heads, use_flash=self._use_flash
+            seq_chunks, self.kv, q_per_kv=self.spec.num_heads // self.spec.num_kv_heads, mode=self._attention,
+            flex_fn=self._flex_fn,
         )
         logits = self.model(
             self._to_device(ids), self._to_device(pos), self.kv, batch, self._to_device(np.asarray(rows, dtype=np.int64))

@@ -6,10 +6,13 @@ blocks back by block table.
 
 Two block layouts:
 
-- head-major ``[num_blocks, kv_heads, block_size, head_dim]`` (SDPA path): a
-  gather by (block, head) index lands directly as ``[B, kv_heads, tokens, dim]``,
-  contiguous, which is what attention kernels read fastest — measured 15-45%
-  faster decode attention on CPU than a transposed token-major gather.
+- head-major ``[kv_heads, num_blocks, block_size, head_dim]`` (SDPA and
+  FlexAttention paths): a gather by (head, block) index lands directly as
+  ``[B, kv_heads, tokens, dim]``, contiguous, which is what attention kernels
+  read fastest — measured 15-45% faster decode attention on CPU than a
+  transposed token-major gather. Heads outermost make a layer's pool one
+  ``[1, kv_heads, num_blocks * block_size, head_dim]`` view, which
+  FlexAttention reads in place through a paged block mask (no gather).
 - token-major ``[num_blocks, block_size, kv_heads, head_dim]`` (flash-attn's
   paged kernel reads this layout itself).
 
@@ -42,8 +45,9 @@ class PagedKVCache:
         self.shape = shape
         self.head_major = head_major
         s = shape
-        block = (s.num_kv_heads, s.block_size, s.head_dim) if head_major else (s.block_size, s.num_kv_heads, s.head_dim)
-        self.k = torch.zeros((s.num_layers, s.num_blocks, *block), dtype=dtype, device=device)
+        shape = ((s.num_kv_heads, s.num_blocks, s.block_size, s.head_dim) if head_major
+                 else (s.num_blocks, s.block_size, s.num_kv_heads, s.head_dim))
+        self.k = torch.zeros((s.num_layers, *shape), dtype=dtype, device=device)
         self.v = torch.zeros_like(self.k)
 
     @property
@@ -56,13 +60,12 @@ class PagedKVCache:
         heads = np.arange(s.num_kv_heads)
         if not self.head_major:
             return (slots[:, None] * s.num_kv_heads + heads).reshape(-1)
-        block, offset = slots // s.block_size, slots % s.block_size
-        return ((block[:, None] * s.num_kv_heads + heads) * s.block_size + offset[:, None]).reshape(-1)
+        return (heads[None, :] * (s.num_blocks * s.block_size) + slots[:, None]).reshape(-1)
 
     def gather_index(self, block_tables: np.ndarray) -> np.ndarray:
-        """Head-major only: (block, head) pairs of ``block_tables`` ``[B, nb]``, ordered ``[B, kv_heads, nb]``."""
+        """Head-major only: (head, block) pairs of ``block_tables`` ``[B, nb]``, ordered ``[B, kv_heads, nb]``."""
         heads = np.arange(self.shape.num_kv_heads)[None, :, None]
-        return (block_tables[:, None, :] * self.shape.num_kv_heads + heads).reshape(-1)
+        return (heads * self.shape.num_blocks + block_tables[:, None, :]).reshape(-1)
 
     def write(self, layer: int, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store new tokens' ``k``/``v`` (``[tokens, kv_heads, dim]``) at ``rows`` from :meth:`write_rows`."""
@@ -88,3 +91,9 @@ class PagedKVCache:
     def layer_views(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's pools as stored (token-major: what paged kernels read)."""
         return self.k[layer], self.v[layer]
+
+    def slot_views(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Head-major only: the layer's K and V as ``[1, kv_heads, num_blocks * block_size, dim]`` (no copy)."""
+        s = self.shape
+        shape = (1, s.num_kv_heads, s.num_blocks * s.block_size, s.head_dim)
+        return self.k[layer].view(shape), self.v[layer].view(shape)
