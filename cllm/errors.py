@@ -12,3 +12,8 @@ class QueueFullError(RuntimeError):
 
 class EngineDeadError(RuntimeError):
     """The engine loop stopped on a fatal error; no request can run until restart. HTTP 503."""
+
+
+class RequestHandedOffError(RuntimeError):
+    """The request moved to another engine mid-generation (KV hand-off); its stream here ends, the
+    other engine's stream continues it."""

@@ -63,7 +63,7 @@ class Request:
     output_logprobs: list[TokenLogprob] = field(default_factory=list)  # when params.logprobs is set
     num_computed_tokens: int = 0  # tokens whose KV the backend holds
     num_cached_tokens: int | None = None  # prefix-cache hit at first admission
-    swapped_state: bytes | None = None  # saved KV while swapped out
+    swapped_state: bytes | list[bytes] | None = None  # saved KV: bytes while swapped out, segments (Backend.import_kv) when handed over by another engine
     stop_reason: str | int | None = None  # matched stop string / token
     error: str | None = None  # failure message
     metrics: RequestMetrics = field(init=False)  # timings

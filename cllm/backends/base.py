@@ -182,6 +182,19 @@ class Backend(ABC):
         """Load a snapshot of ``token_ids``' KV into an admitted sequence; False if it fails."""
         raise RuntimeError(f"backend {self.name!r} cannot restore sequence state")
 
+    def export_kv(self, sequence_id: str) -> list[bytes]:
+        """One sequence's KV as segments, for a hand-off to another engine (KV hand-off).
+
+        Default: one segment, the ``save_state`` snapshot. A paged backend gives one
+        segment per block, so the transfer gathers straight from scattered blocks.
+        """
+        return [self.save_state(sequence_id)]
+
+    def import_kv(self, sequence_id: str, segments: Sequence[bytes], token_ids: Sequence[int]) -> bool:
+        """Load segments from another engine's ``export_kv`` into an admitted sequence; False if they
+        do not fit now. ``token_ids`` are the tokens the KV holds."""
+        return self.restore_state(sequence_id, b"".join(segments), token_ids)
+
     def prefix_cache_stats(self) -> tuple[int, int]:
         """(prompt tokens asked for, prompt tokens served from cache) since start."""
         return (0, 0)

@@ -25,7 +25,8 @@ from cllm.config import CllmConfig
 from cllm.engine.llm import make_engine
 from cllm.engine.llm_engine import LLMEngine, Prompt
 from cllm.engine.stats import EngineStats, RunningRequestInfo
-from cllm.errors import EngineDeadError, QueueFullError
+from cllm.errors import EngineDeadError, QueueFullError, RequestHandedOffError
+from cllm.handoff.snapshot import RequestSnapshot
 from cllm.model_path import resolve_model_path
 from cllm.outputs import RequestOutput
 from cllm.sampling.params import SamplingParams
@@ -40,6 +41,7 @@ class _Stream:
 
     loop: asyncio.AbstractEventLoop  # the caller's event loop
     queue: asyncio.Queue  # RequestOutput items, or an exception to raise
+    error: BaseException | None = None  # an exception that came after outputs, raised once those are out
 
 
 class AsyncLLM:
@@ -169,10 +171,20 @@ class AsyncLLM:
         self._pending += params.n
         self.start()
         self._submit(lambda: self._add(rid, prompt, params, priority, timeout_s, ids, on_queued))
+        async with contextlib.aclosing(self._consume(rid, stream)) as outputs:  # closing us aborts at once
+            async for out in outputs:
+                yield out
+
+    async def _consume(self, rid: str, stream: _Stream) -> AsyncIterator[RequestOutput]:
+        """Yield a request's outputs until it finishes; abort it if the caller stops early."""
         finished = False
         try:
             while not finished:
-                out = await self._next_output(stream)
+                try:
+                    out = await self._next_output(stream)
+                except RequestHandedOffError:
+                    finished = True  # the engine let it go already: nothing to abort
+                    raise
                 finished = out.finished
                 yield out
         finally:
@@ -224,14 +236,67 @@ class AsyncLLM:
     @staticmethod
     async def _next_output(stream: _Stream) -> RequestOutput:
         """The next output, merged with any others already queued (deltas concatenated)."""
+        if stream.error is not None:
+            raise stream.error
         item = await stream.queue.get()
         items = [item]
         while not stream.queue.empty() and not isinstance(items[-1], BaseException):
             items.append(stream.queue.get_nowait())
-        for it in items:
-            if isinstance(it, BaseException):
-                raise it
+        if isinstance(items[-1], BaseException):
+            if len(items) == 1:
+                raise items[0]
+            stream.error = items.pop()  # outputs that came first are handed out first (a hand-off's last tokens)
         return _merge(items)
+
+    # ------------------------------------------------------------- hand-off
+    async def export_request(self, request_id: str) -> tuple[RequestSnapshot, list[bytes]]:
+        """Take a live n=1 request out between two steps, for another engine to continue
+        (``resume``): its snapshot and KV segments. Its stream here ends with RequestHandedOffError."""
+        def command() -> tuple[RequestSnapshot, list[bytes]]:
+            result = self.engine.export_request(request_id)
+            self._deliver(request_id, RequestHandedOffError(f"request {request_id!r} moved to another engine"))
+            return result
+        return await self._call(command)
+
+    async def resume(self, snapshot: RequestSnapshot, segments: list[bytes]) -> AsyncIterator[RequestOutput]:
+        """Continue a request another engine exported; streams its outputs from where it stopped."""
+        rid = self._admit_checks(snapshot.prompt_token_ids, snapshot.params, snapshot.request_id)
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        self._streams[rid] = stream
+        try:
+            await self._call(lambda: self.engine.import_request(snapshot, segments))
+        except BaseException:
+            self._streams.pop(rid, None)
+            raise
+        async with contextlib.aclosing(self._consume(rid, stream)) as outputs:  # closing us aborts at once
+            async for out in outputs:
+                yield out
+
+    def live_request_ids(self) -> list[str]:
+        """Requests the engine holds now (a draining replica hands these over)."""
+        return self.engine.request_ids()
+
+    async def _call(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn`` on the engine thread between two steps; its result or exception comes back here."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future = loop.create_future()
+
+        def settle(result: Any, error: BaseException | None) -> None:
+            if not future.done():
+                future.set_exception(error) if error is not None else future.set_result(result)
+
+        def command() -> None:
+            try:
+                result = fn()
+            except Exception as err:  # delivered to the caller, the loop carries on
+                loop.call_soon_threadsafe(settle, None, err)
+                return
+            loop.call_soon_threadsafe(settle, result, None)
+        if self._dead is not None:
+            raise EngineDeadError(f"engine stopped: {self._dead}")
+        self.start()
+        self._submit(command)
+        return await future
 
     async def abort(self, request_id: str) -> None:
         self._submit(lambda: self._abort_now(request_id))

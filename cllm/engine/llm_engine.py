@@ -17,9 +17,11 @@ from cllm.backends.base import Backend, BackendError, KVCacheFullError
 from cllm.backends.registry import create_backend
 from cllm.chat_template import ChatTemplate
 from cllm.config import CllmConfig
+from cllm.engine import migration
 from cllm.engine.request_group import RequestGroup
 from cllm.engine.stats import EngineStats, RateMeter, RunningRequestInfo
 from cllm.errors import ContextLengthError, QueueFullError
+from cllm.handoff.snapshot import RequestSnapshot
 from cllm.outputs import RequestOutput
 from cllm.request import Request, RequestStatus
 from cllm.sampling.params import SamplingParams
@@ -49,6 +51,7 @@ class LLMEngine:
         self._prompt_tokens = 0
         self._generated_tokens = 0
         self._ids = itertools.count()
+        self.num_handed_off = 0  # requests exported to another engine
 
     # ------------------------------------------------------------- requests
     def apply_chat_template(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> str:
@@ -167,6 +170,14 @@ class LLMEngine:
         for child in group.children:
             self.scheduler.abort(child.request_id)
         return self._collect([group])[0]
+
+    def export_request(self, request_id: str) -> tuple[RequestSnapshot, list[bytes]]:
+        """Take a live n=1 request out for a hand-off: its snapshot and KV segments (cllm.engine.migration)."""
+        return migration.export_request(self, request_id)
+
+    def import_request(self, snapshot: RequestSnapshot, segments: list[bytes]) -> str:
+        """Continue a request handed over by another engine (cllm.engine.migration); returns its id."""
+        return migration.import_request(self, snapshot, segments)
 
     def has_unfinished(self) -> bool:
         return bool(self._groups)

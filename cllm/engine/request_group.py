@@ -46,6 +46,16 @@ class RequestGroup:
         return TokenLogprob(s.token_id, tok.decode([s.token_id]), s.logprob or 0.0, list(tok.token_bytes(s.token_id)),
                             top, text_offset)
 
+    def replay(self) -> None:
+        """A group continued after a hand-off: rebuild each choice's text from the tokens it already
+        has, counted as sent (the exporting engine's caller got them); stops were checked there."""
+        for i, child in enumerate(self.children):
+            for token in child.output_token_ids:
+                self._detoks[i].add_token(token, check_stop=False)
+            self._detoks[i].take_delta()
+            self._sent_tokens[i] = len(child.output_token_ids)
+            self._sent_logprobs[i] = len(child.output_logprobs)
+
     def make_output(self) -> RequestOutput:
         """The group's state now, with deltas since the previous call."""
         first = self.children[0]

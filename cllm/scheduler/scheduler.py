@@ -179,7 +179,7 @@ class Scheduler:
         ok = self.backend.reserve(req.request_id, req.num_computed_tokens + n)
         restore_failed = False
         if ok and req.swapped_state is not None:
-            ok = self.backend.restore_state(req.request_id, req.swapped_state, req.all_token_ids[: req.num_computed_tokens])
+            ok = self._restore(req)
             if not ok:
                 # Retrying the same restore could fail forever and spin the loop with the queue head
                 # stuck: fall back to recompute, which the next admission does like any other.
@@ -195,6 +195,40 @@ class Scheduler:
             return None
         req.swapped_state = None
         return n
+
+    def _restore(self, req: Request) -> bool:
+        """Load saved KV: bytes from a swap-out here, or segments handed over by another engine."""
+        tokens = req.all_token_ids[: req.num_computed_tokens]
+        if isinstance(req.swapped_state, list):
+            return self.backend.import_kv(req.request_id, req.swapped_state, tokens)
+        return self.backend.restore_state(req.request_id, req.swapped_state, tokens)
+
+    def detach(self, req: Request) -> list[bytes]:
+        """Take a live request out without finishing it (a hand-off to another engine).
+
+        Returns its KV as segments (``Backend.export_kv``), holding the request's first
+        ``num_computed_tokens`` tokens; [] (and num_computed_tokens 0) when it holds none or
+        the backend cannot export, so the receiver recomputes. Its place and KV are given
+        back here (kept as prefix cache).
+        """
+        if req.status.is_finished or self.requests.get(req.request_id) is not req:
+            raise ValueError(f"request {req.request_id!r} is not live in this scheduler ({req.status.name})")
+        segments: list[bytes] = []
+        if req.status == RequestStatus.RUNNING:
+            if req.num_computed_tokens > 0 and self.backend.supports_state_swap:
+                segments = self.backend.export_kv(req.request_id)
+            self.running.remove(req)
+        else:
+            self.waiting.remove(req)
+            state = req.swapped_state
+            if state is not None:
+                segments = list(state) if isinstance(state, list) else [state]
+        if not segments:
+            req.num_computed_tokens = 0
+        req.swapped_state = None
+        self.backend.release(req.request_id, keep_cache=True)
+        self.requests.pop(req.request_id, None)
+        return segments
 
     def _chunk(self, req: Request, n: int) -> ScheduledChunk:
         if req.metrics.first_scheduled_time is None:

@@ -9,6 +9,7 @@ tensors in :class:`PagedKVCache`, the math in :class:`CausalLM`.
 from __future__ import annotations
 
 import io
+import json
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -252,6 +253,52 @@ class TorchBackend(Backend):
                 self.kv.write(layer, rows, k[layer], v[layer])
         self.blocks.record_computed(sequence_id, 0, tokens)
         return True
+
+    # ----- optional: KV hand-off (segments: a geometry header, then one per block) ---------
+
+    def export_kv(self, sequence_id: str) -> list[bytes]:
+        """The sequence's computed KV: a JSON header, then each block of its (non-contiguous) block
+        table as one segment holding that block's K and V for every layer ``[2, layers, *block]``."""
+        seq = self.blocks.sequence(sequence_id)
+        n = seq.num_computed
+        segments = [json.dumps(self._kv_geometry(n)).encode()]
+        for block_id in seq.block_ids[: -(-n // self.blocks.block_size)]:
+            block = torch.stack((self.kv.k[:, block_id], self.kv.v[:, block_id])).cpu()
+            segments.append(block.reshape(-1).view(torch.uint8).numpy().tobytes())
+        return segments
+
+    def import_kv(self, sequence_id: str, segments: Sequence[bytes], token_ids: Sequence[int]) -> bool:
+        """Write handed-over blocks into this sequence's own blocks (a scatter into its block table).
+
+        Blocks its admission matched in the local prefix cache already hold these tokens' KV
+        (and may be shared), so they are kept, not overwritten.
+        """
+        tokens = list(token_ids)
+        header = json.loads(bytes(segments[0]))
+        expected = self._kv_geometry(len(tokens))
+        if header != expected:
+            raise ValueError(f"sequence {sequence_id!r}: handed-over KV has geometry {header}, this engine needs {expected}")
+        if len(segments) - 1 != -(-len(tokens) // self.blocks.block_size):
+            raise ValueError(f"sequence {sequence_id!r}: {len(segments) - 1} KV blocks handed over for {len(tokens)} tokens")
+        self.blocks.truncate(sequence_id, len(tokens))
+        if not self.blocks.reserve(sequence_id, len(tokens)):
+            return False
+        seq = self.blocks.sequence(sequence_id)
+        block_shape = (2, self.spec.num_layers, *self.kv.k.shape[2:])
+        for index in range(seq.num_computed // self.blocks.block_size, len(segments) - 1):
+            raw = torch.frombuffer(bytearray(segments[index + 1]), dtype=torch.uint8)
+            block = raw.view(self.kv.k.dtype).view(block_shape).to(self.device)
+            self.kv.k[:, seq.block_ids[index]] = block[0]
+            self.kv.v[:, seq.block_ids[index]] = block[1]
+        self.blocks.record_computed(sequence_id, 0, tokens)
+        return True
+
+    def _kv_geometry(self, num_tokens: int) -> dict[str, object]:
+        """What two engines must agree on for their KV blocks to be interchangeable."""
+        s = self.kv.shape
+        return {"format": "cllm-torch-kv-blocks/1", "num_tokens": num_tokens, "block_size": s.block_size,
+                "num_layers": s.num_layers, "num_kv_heads": s.num_kv_heads, "head_dim": s.head_dim,
+                "dtype": str(self.kv.k.dtype), "head_major": self.kv.head_major}
 
     def _cache_rows(self, block_ids: Sequence[int], start: int, end: int) -> torch.Tensor:
         """Cache rows (every kv head) of positions start..end-1 of a sequence with these blocks."""
