@@ -258,12 +258,13 @@ class TorchBackend(Backend):
 
     def export_kv(self, sequence_id: str) -> list[bytes]:
         """The sequence's computed KV: a JSON header, then each block of its (non-contiguous) block
-        table as one segment holding that block's K and V for every layer ``[2, layers, *block]``."""
+        table as one segment holding that block's K and V for every layer ``[2, layers, *block]``
+        (PagedKVCache.block)."""
         seq = self.blocks.sequence(sequence_id)
         n = seq.num_computed
         segments = [json.dumps(self._kv_geometry(n)).encode()]
         for block_id in seq.block_ids[: -(-n // self.blocks.block_size)]:
-            block = torch.stack((self.kv.k[:, block_id], self.kv.v[:, block_id])).cpu()
+            block = torch.stack(self.kv.block(block_id)).cpu()
             segments.append(block.reshape(-1).view(torch.uint8).numpy().tobytes())
         return segments
 
@@ -284,12 +285,12 @@ class TorchBackend(Backend):
         if not self.blocks.reserve(sequence_id, len(tokens)):
             return False
         seq = self.blocks.sequence(sequence_id)
-        block_shape = (2, self.spec.num_layers, *self.kv.k.shape[2:])
         for index in range(seq.num_computed // self.blocks.block_size, len(segments) - 1):
+            k, v = self.kv.block(seq.block_ids[index])
             raw = torch.frombuffer(bytearray(segments[index + 1]), dtype=torch.uint8)
-            block = raw.view(self.kv.k.dtype).view(block_shape).to(self.device)
-            self.kv.k[:, seq.block_ids[index]] = block[0]
-            self.kv.v[:, seq.block_ids[index]] = block[1]
+            block = raw.view(k.dtype).view(2, *k.shape).to(self.device)
+            k.copy_(block[0])
+            v.copy_(block[1])
         self.blocks.record_computed(sequence_id, 0, tokens)
         return True
 

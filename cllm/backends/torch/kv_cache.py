@@ -88,6 +88,12 @@ class PagedKVCache:
         v = self.v[layer].view(-1, s.head_dim).index_select(0, rows)
         return k.view(-1, s.num_kv_heads, s.head_dim), v.view(-1, s.num_kv_heads, s.head_dim)
 
+    def block(self, block_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views (no copy) of one block's K and V in every layer, ``[layers, *block]`` in the pool's
+        layout: what a KV hand-off reads from one engine's pool and writes into another's."""
+        index = (slice(None), slice(None), block_id) if self.head_major else (slice(None), block_id)
+        return self.k[index], self.v[index]
+
     def layer_views(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's pools as stored (token-major: what paged kernels read)."""
         return self.k[layer], self.v[layer]
