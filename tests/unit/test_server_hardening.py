@@ -126,3 +126,51 @@ def test_prompts_are_tokenised_and_rendered_off_the_event_loop():
                                                          "max_tokens": 2}).status_code == 200
         assert client.post("/tokenize", json={"messages": [{"role": "user", "content": "ab"}]}).status_code == 200
     assert len(seen) >= 3 and loop_thread not in seen
+
+
+def test_token_lists_detokenize_and_async_chat_stay_off_the_event_loop():
+    # Issue 9 defect 17, the rest: token-id prompts (checked id by id), /detokenize, and AsyncLLM.chat
+    # (Jinja + tokenising for Python callers) all run their O(size) work in worker threads.
+    import asyncio
+    import threading
+
+    import cllm
+    from tests.unit.fakes import FakeBackend, fake_config
+    app = fake_app()
+    seen: list[tuple[str, str]] = []
+    with TestClient(app, base_url="http://localhost") as client:
+        inner = app.state.cllm.loaded.engine.engine
+        tokenize_prompt, decode = inner.tokenize_prompt, inner.tokenizer.decode
+
+        def spy_prompt(*args, **kwargs):
+            seen.append(("prompt", threading.current_thread().name))
+            return tokenize_prompt(*args, **kwargs)
+
+        def spy_decode(*args, **kwargs):
+            seen.append(("decode", threading.current_thread().name))
+            return decode(*args, **kwargs)
+        inner.tokenize_prompt, inner.tokenizer.decode = spy_prompt, spy_decode
+        loop_thread = client.portal.call(lambda: threading.current_thread().name)
+        assert client.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 2}).status_code == 200
+        assert client.post("/detokenize", json={"tokens": [1, 2, 3]}).json()["prompt"] == "bcd"
+    assert {kind for kind, _ in seen} >= {"prompt", "decode"} and loop_thread not in {t for _, t in seen}
+
+    config = fake_config()
+    engine = cllm.AsyncLLM(backend=FakeBackend(slots=1), config=config)
+    rendered_in: list[str] = []
+    tokenize_chat = engine.engine.tokenize_chat
+
+    def spy_chat(*args, **kwargs):
+        rendered_in.append(threading.current_thread().name)
+        return tokenize_chat(*args, **kwargs)
+    engine.engine.tokenize_chat = spy_chat
+
+    async def chat() -> tuple[str, str]:
+        outs = [o async for o in engine.chat([{"role": "user", "content": "ab"}],
+                                            cllm.SamplingParams(max_tokens=3, temperature=0))]
+        return threading.current_thread().name, outs[-1].outputs[0].finish_reason
+    try:
+        caller, finish = asyncio.run(chat())
+    finally:
+        asyncio.run(engine.shutdown())
+    assert finish == "length" and rendered_in and caller not in rendered_in
