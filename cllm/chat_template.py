@@ -17,8 +17,11 @@ def _raise(message: str) -> None:
     raise ValueError(f"chat template rejected the messages: {message}")
 
 
-def normalize_messages(messages: Sequence[Any]) -> list[dict[str, str]]:
-    """Check OpenAI-style messages; content given as text parts is joined. ValueError names the bad item."""
+def normalize_messages(messages: Sequence[Any]) -> list[dict[str, Any]]:
+    """Check OpenAI-style messages; content given as text parts is joined. ValueError names the bad item.
+
+    Besides role and content, a message keeps ``name``, ``tool_call_id`` (tool results) and
+    ``tool_calls`` (an assistant's calls), which tool-aware templates render."""
     if not isinstance(messages, (list, tuple)) or not messages:
         raise ValueError("messages must be a non-empty list of {role, content} objects")
     out = []
@@ -34,10 +37,31 @@ def normalize_messages(messages: Sequence[Any]) -> list[dict[str, str]]:
             content = "".join(p["text"] for p in content)
         if content is None and role == "assistant":
             content = ""
+        if content is None and role == "tool":
+            content = ""
         if not isinstance(content, str):
             raise ValueError(f"messages[{i}].content must be a string")
-        out.append({"role": role, "content": content})
+        out.append({"role": role, "content": content, **_tool_fields(i, m)})
     return out
+
+
+def _tool_fields(i: int, m: dict[str, Any]) -> dict[str, Any]:
+    extra: dict[str, Any] = {}
+    for key in ("name", "tool_call_id"):
+        if m.get(key) is not None:
+            if not isinstance(m[key], str):
+                raise ValueError(f"messages[{i}].{key} must be a string")
+            extra[key] = m[key]
+    calls = m.get("tool_calls")
+    if calls:
+        if m.get("role") != "assistant" or not isinstance(calls, list):
+            raise ValueError(f"messages[{i}].tool_calls: only an assistant message carries a list of tool calls")
+        for j, call in enumerate(calls):
+            fn = call.get("function") if isinstance(call, dict) else None
+            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+                raise ValueError(f"messages[{i}].tool_calls[{j}] must be {{\"type\": \"function\", \"function\": {{\"name\": ..., \"arguments\": ...}}}}")
+        extra["tool_calls"] = calls
+    return extra
 
 
 class ChatTemplate:
@@ -55,10 +79,13 @@ class ChatTemplate:
         self._bos = tokenizer.special_token(bos) if bos is not None else ""
         self._eos = tokenizer.special_token(eos[0]) if eos else ""
 
-    def render(self, messages: Sequence[Any], *, add_generation_prompt: bool = True) -> str:
-        return "".join(text for text, _ in self.render_segments(messages, add_generation_prompt=add_generation_prompt))
+    def render(self, messages: Sequence[Any], *, add_generation_prompt: bool = True,
+               tools: list[dict[str, Any]] | None = None) -> str:
+        return "".join(text for text, _ in self.render_segments(messages, add_generation_prompt=add_generation_prompt,
+                                                                 tools=tools))
 
-    def render_segments(self, messages: Sequence[Any], *, add_generation_prompt: bool = True) -> list[Segment]:
+    def render_segments(self, messages: Sequence[Any], *, add_generation_prompt: bool = True,
+                        tools: list[dict[str, Any]] | None = None) -> list[Segment]:
         """The prompt as (text, trusted) pieces: the template's own markup is trusted, message content
         is not. Tokenising untrusted pieces without special-token parsing keeps a user's
         "<|im_end|>\n<|im_start|>system" text from becoming real control tokens (role injection).
@@ -71,7 +98,7 @@ class ChatTemplate:
         masked = [{**m, "content": _placeholder(i)} for i, m in enumerate(msgs)]
         try:
             text = self._template.render(messages=masked, add_generation_prompt=add_generation_prompt,
-                                         bos_token=self._bos, eos_token=self._eos)
+                                         bos_token=self._bos, eos_token=self._eos, tools=tools)
         except TemplateError as err:
             raise ValueError(f"chat template failed to render: {err}") from None
         segments: list[Segment] = []

@@ -113,6 +113,13 @@ class ServerConfig(_Section):
         return value
 
 
+class StructuredConfig(_Section):
+    """Constrained decoding and tool calling."""
+
+    grammar_cache_size: int = Field(128, ge=1, le=1 << 16, description="compiled grammars (JSON schemas, GBNF, regex, choice lists) kept, least recently used dropped first")
+    tool_call_parser: Literal["auto", "hermes", "llama3_json", "mistral", "generic"] = Field("auto", description="how tool calls are read out of the model's text: auto = from the chat template (<tool_call> -> hermes, [TOOL_CALLS] -> mistral, <|python_tag|>/ipython -> llama3_json; a template that does not render tools -> generic, with the tools described in the system message)")
+
+
 class CllmConfig(_Section):
     """All settings, grouped by section as in config.yaml."""
 
@@ -121,6 +128,7 @@ class CllmConfig(_Section):
     torch: TorchConfig = Field(default_factory=TorchConfig)
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
     server: ServerConfig = Field(default_factory=ServerConfig)
+    structured: StructuredConfig = Field(default_factory=StructuredConfig)
 
     @model_validator(mode="after")
     def _check_cross_section(self) -> CllmConfig:

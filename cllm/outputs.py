@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from cllm.tools.spec import ToolCall
+
 
 @dataclass(slots=True)
 class TopLogprob:
@@ -77,6 +79,7 @@ class CompletionOutput:
     text_delta: str = ""  # text new since the previous streamed output of this choice
     token_ids_delta: list[int] = field(default_factory=list)  # tokens new since then
     logprobs_delta: list[TokenLogprob] | None = None  # logprobs new since then
+    tool_calls: list[ToolCall] | None = None  # calls parsed from the final text (chat with tools; finish_reason "tool_calls")
 
 
 @dataclass(slots=True)

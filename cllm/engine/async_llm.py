@@ -22,6 +22,7 @@ from typing import Any
 
 from cllm.backends.base import Backend, Tokenizer
 from cllm.config import CllmConfig
+from cllm.engine.chat_request import attach_tool_calls, prepare_chat
 from cllm.engine.llm import make_engine
 from cllm.engine.llm_engine import LLMEngine, Prompt
 from cllm.engine.stats import EngineStats, RunningRequestInfo
@@ -84,11 +85,13 @@ class AsyncLLM:
     def is_running(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and self._dead is None
 
-    def apply_chat_template(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> str:
-        return self.engine.apply_chat_template(messages, add_generation_prompt)
+    def apply_chat_template(self, messages: Sequence[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> str:
+        return self.engine.apply_chat_template(messages, add_generation_prompt, tools)
 
-    def tokenize_chat(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> list[int]:
-        return self.engine.tokenize_chat(messages, add_generation_prompt)
+    def tokenize_chat(self, messages: Sequence[dict], add_generation_prompt: bool = True,
+                      tools: list[dict] | None = None) -> list[int]:
+        return self.engine.tokenize_chat(messages, add_generation_prompt, tools)
 
     def stats(self) -> EngineStats:
         with self._state_lock:
@@ -166,6 +169,10 @@ class AsyncLLM:
         ids = await asyncio.to_thread(self.engine.tokenize_prompt, prompt)
         self.engine.resolve_max_tokens(len(ids), params)
         params.check_vocab(self.tokenizer.vocab_size)
+        if params.constraint_key is not None:
+            # A cold grammar compile takes milliseconds to seconds: off the event loop and the engine
+            # loop, so the engine only ever meets cached grammars.
+            await asyncio.to_thread(self.engine.structured.compile, params)
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._streams[rid] = stream
         self._pending += params.n
@@ -193,13 +200,21 @@ class AsyncLLM:
             self._streams.pop(rid, None)
 
     async def chat(self, messages: Sequence[dict], params: SamplingParams | None = None, *,
-                   add_generation_prompt: bool = True, **kwargs: Any) -> AsyncIterator[RequestOutput]:
+                   add_generation_prompt: bool = True, tools: list[dict] | None = None, tool_choice: Any = None,
+                   parallel_tool_calls: bool | None = None, response_format: Any = None,
+                   **kwargs: Any) -> AsyncIterator[RequestOutput]:
         """``generate`` for a conversation; the chat template renders and tokenises in a thread, so a
-        long conversation does not stall the caller's event loop (issue 9 defect 17)."""
-        ids = await asyncio.to_thread(self.engine.tokenize_chat, messages, add_generation_prompt)
-        async with contextlib.aclosing(self.generate(ids, params, **kwargs)) as outputs:
+        long conversation does not stall the caller's event loop (issue 9 defect 17).
+
+        ``tools`` / ``tool_choice`` / ``parallel_tool_calls`` / ``response_format`` as in LLM.chat; the
+        final output carries the parsed ``tool_calls`` (finish_reason "tool_calls")."""
+        request = await asyncio.to_thread(
+            prepare_chat, self.engine, messages, params, tools=tools, tool_choice=tool_choice,
+            parallel_tool_calls=parallel_tool_calls, response_format=response_format,
+            add_generation_prompt=add_generation_prompt)
+        async with contextlib.aclosing(self.generate(request.prompt_ids, request.params, **kwargs)) as outputs:
             async for out in outputs:
-                yield out
+                yield attach_tool_calls(out, request.plan) if out.finished else out
 
     def _admit_checks(self, prompt: Prompt, params: SamplingParams, request_id: str | None) -> str:
         if self._dead is not None:

@@ -9,6 +9,7 @@ from tqdm import tqdm
 
 from cllm.backends.base import Backend
 from cllm.config import CllmConfig, load_config
+from cllm.engine.chat_request import attach_tool_calls, prepare_chat
 from cllm.engine.llm_engine import LLMEngine, Prompt
 from cllm.engine.stats import EngineStats
 from cllm.outputs import RequestOutput
@@ -66,11 +67,20 @@ class LLM:
         return self._run(pending, use_tqdm)
 
     def chat(self, messages: Sequence[dict] | Sequence[Sequence[dict]], params: SamplingParams | None = None,
-             *, use_tqdm: bool = False) -> list[RequestOutput]:
-        """Chat completion(s) with the model's chat template; one conversation or a list of them."""
+             *, tools: list[dict] | None = None, tool_choice: Any = None, parallel_tool_calls: bool | None = None,
+             response_format: Any = None, use_tqdm: bool = False) -> list[RequestOutput]:
+        """Chat completion(s) with the model's chat template; one conversation or a list of them.
+
+        ``tools`` / ``tool_choice`` / ``parallel_tool_calls`` / ``response_format`` take the OpenAI
+        shapes (``response_format`` may also be a pydantic model class); tool calls come back in
+        ``outputs[i].tool_calls`` with finish_reason "tool_calls".
+        """
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [self.engine.tokenize_chat(c) for c in conversations]
-        return self.generate(prompts, params, use_tqdm=use_tqdm)
+        requests = [prepare_chat(self.engine, c, params, tools=tools, tool_choice=tool_choice,
+                                 parallel_tool_calls=parallel_tool_calls, response_format=response_format)
+                    for c in conversations]
+        outs = self.generate([r.prompt_ids for r in requests], [r.params for r in requests], use_tqdm=use_tqdm)
+        return [attach_tool_calls(out, r.plan) for out, r in zip(outs, requests)]
 
     def _feed(self, pending: list[tuple], ids: list[str]) -> None:
         # An idle engine always takes the next request, so a too-large n surfaces as QueueFullError.

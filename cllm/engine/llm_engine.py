@@ -28,6 +28,8 @@ from cllm.sampling.params import SamplingParams
 from cllm.sampling.sampler import SamplingRow, sample
 from cllm.scheduler.output import ScheduledChunk, SchedulerOutput
 from cllm.scheduler.scheduler import Scheduler
+from cllm.structured import StructuredOutputs
+from cllm.structured.manager import PendingMask
 
 Prompt = str | Sequence[int]
 
@@ -40,6 +42,7 @@ class LLMEngine:
         self.backend = backend if backend is not None else create_backend(config)
         self.tokenizer = self.backend.tokenizer
         self.scheduler = Scheduler(self.backend, config.scheduler)
+        self.structured = StructuredOutputs(self.tokenizer, config.structured.grammar_cache_size)
         self.max_model_len = self.backend.capacity.max_model_len
         self._groups: dict[str, RequestGroup] = {}
         self._group_of: dict[str, tuple[RequestGroup, int]] = {}
@@ -54,17 +57,19 @@ class LLMEngine:
         self.num_handed_off = 0  # requests exported to another engine
 
     # ------------------------------------------------------------- requests
-    def apply_chat_template(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: Sequence[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> str:
         if self._chat is None:
             self._chat = ChatTemplate(self.tokenizer)
-        return _valid_text(self._chat.render(messages, add_generation_prompt=add_generation_prompt), "messages")
+        return _valid_text(self._chat.render(messages, add_generation_prompt=add_generation_prompt, tools=tools), "messages")
 
-    def tokenize_chat(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> list[int]:
+    def tokenize_chat(self, messages: Sequence[dict], add_generation_prompt: bool = True,
+                      tools: list[dict] | None = None) -> list[int]:
         """Token ids of a conversation: the template's markup may hold special tokens, message content
         never does (its text is tokenised without special-token parsing: no role injection)."""
         if self._chat is None:
             self._chat = ChatTemplate(self.tokenizer)
-        segments = self._chat.render_segments(messages, add_generation_prompt=add_generation_prompt)
+        segments = self._chat.render_segments(messages, add_generation_prompt=add_generation_prompt, tools=tools)
         bos = self.tokenizer.bos_token_id
         text = "".join(t for t, _ in segments)
         add_bos = not (bos is not None and text.startswith(self.tokenizer.special_token(bos)))
@@ -119,11 +124,13 @@ class LLMEngine:
         group_id = request_id or f"req-{uuid.uuid4().hex[:16]}"
         self._check_id_free(group_id, params.n)
         timeout = timeout_s if timeout_s is not None else self.config.scheduler.request_timeout_s
+        self.structured.compile(params)  # a cache hit when validate_request (or AsyncLLM) compiled it
         children = [self._child(group_id, i, ids, params, max_tokens, priority, timeout) for i in range(params.n)]
         group = RequestGroup(group_id, prompt if isinstance(prompt, str) else None, children, self.tokenizer)
         self._groups[group_id] = group
         for i, child in enumerate(children):
             self._group_of[child.request_id] = (group, i)
+            self.structured.add(child)
             self.scheduler.add(child)
         return group_id
 
@@ -139,6 +146,7 @@ class LLMEngine:
             raise ValueError(f"stop string of {len(too_long[0])} characters exceeds max_stop_string_chars ({limit})")
         ids = self.tokenize_prompt(prompt)
         self.resolve_max_tokens(len(ids), params)
+        self.structured.compile(params)
         return ids
 
     def has_room_for(self, num_sequences: int) -> bool:
@@ -198,6 +206,8 @@ class LLMEngine:
 
     def _run(self, out: SchedulerOutput, touched: dict[str, RequestGroup]) -> None:
         sampled_reqs = [c.request for c in out.chunks if c.sample]
+        # The grammar masks of this step's constrained rows are filled while the forward pass runs.
+        mask = self.structured.start_fill(sampled_reqs)
         try:
             logits = self._forward(out.chunks)
         except KVCacheFullError as err:
@@ -212,7 +222,7 @@ class LLMEngine:
             logits, sampled_reqs = self._forward_one_by_one(out.chunks, touched)
         self._prompt_tokens += sum(max(0, min(c.start + c.num_tokens, c.request.num_prompt_tokens) - c.start)
                                    for c in out.chunks if not c.request.status.is_finished)
-        self._sample_and_update(out, sampled_reqs, logits, touched)
+        self._sample_and_update(out, sampled_reqs, logits, touched, mask)
 
     def _forward(self, chunks: list[ScheduledChunk]) -> np.ndarray:
         flat: list[int] = []
@@ -242,7 +252,8 @@ class LLMEngine:
         return (np.stack(rows) if rows else np.empty((0, vocab), dtype=np.float32)), reqs
 
     def _sample_and_update(self, out: SchedulerOutput, reqs: list[Request], logits: np.ndarray,
-                           touched: dict[str, RequestGroup]) -> None:
+                           touched: dict[str, RequestGroup], mask: PendingMask | None = None) -> None:
+        self.structured.apply(logits, [r.request_id for r in reqs], mask)
         rows = [SamplingRow(r.params, self._rngs[r.request_id], r.prompt_token_ids, r.output_token_ids,
                             r.eos_token_ids | frozenset(r.params.stop_token_ids)) for r in reqs]
         sampled = sample(logits, rows) if reqs else []
@@ -259,6 +270,8 @@ class LLMEngine:
             if stop is not None and req.status in (RequestStatus.RUNNING, RequestStatus.FINISHED_STOPPED):
                 req.stop_reason = stop
                 self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
+            if self.structured.accept(req) and req.status is RequestStatus.RUNNING:
+                self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)  # the grammar is complete
             touched[group.group_id] = group
         self._generated_tokens += len(by_id)
         self._rate.add(len(by_id), now)
@@ -285,6 +298,7 @@ class LLMEngine:
         for child in group.children:
             self._group_of.pop(child.request_id, None)
             self._rngs.pop(child.request_id, None)
+            self.structured.remove(child.request_id)
             self._finished_counts[child.status.finish_reason or "unknown"] += 1
 
     # ---------------------------------------------------------------- stats
@@ -311,6 +325,7 @@ class LLMEngine:
         ]
 
     def close(self) -> None:
+        self.structured.close()
         self.backend.close()
 
 

@@ -1,8 +1,10 @@
 """SamplingParams: what a request asks of the sampler, validated at construction."""
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(slots=True)
@@ -29,6 +31,12 @@ class SamplingParams:
     n: int = 1  # completions per prompt
     logprobs: int | None = None  # None = off; k >= 0 returns the chosen token's logprob and k top alternatives
     include_stop_str_in_output: bool = False  # keep a matched stop string in the text
+    # Constrained decoding (at most one): the output is guaranteed to match it (cllm.structured).
+    json_schema: dict[str, Any] | str | None = None  # a JSON Schema (object or its JSON text)
+    json_object: bool = False  # any JSON object (OpenAI's response_format json_object)
+    grammar: str | None = None  # a GBNF / EBNF grammar (llama-server's `grammar`), rule `root` first
+    regex: str | None = None  # a regular expression the whole output matches
+    choice: list[str] | None = None  # the output is exactly one of these strings
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -38,6 +46,8 @@ class SamplingParams:
         self.logit_bias = {int(k): float(v) for k, v in (self.logit_bias or {}).items()}
         if self.top_k == -1:
             self.top_k = 0
+        if isinstance(self.json_schema, str):
+            self.json_schema = _schema_from_text(self.json_schema)
         self.validate()
 
     def validate(self) -> None:
@@ -58,6 +68,32 @@ class SamplingParams:
         _check(_is_int(self.n) and 1 <= self.n <= 128, "n", self.n, "an integer in [1, 128]")
         _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= 20), "logprobs", self.logprobs, "an integer in [0, 20] or None")
         _check(all(k >= 0 and _finite(v) and -100 <= v <= 100 for k, v in self.logit_bias.items()), "logit_bias", self.logit_bias, "token ids >= 0 mapped to numbers in [-100, 100]")
+        self._validate_constraint()
+
+    def _validate_constraint(self) -> None:
+        _check(self.json_schema is None or isinstance(self.json_schema, (dict, bool)), "json_schema", self.json_schema, "a JSON Schema object")
+        _check(isinstance(self.json_object, bool), "json_object", self.json_object, "true or false")
+        _check(self.grammar is None or (isinstance(self.grammar, str) and self.grammar.strip() != ""), "grammar", self.grammar, "a non-empty GBNF grammar")
+        _check(self.regex is None or (isinstance(self.regex, str) and self.regex != ""), "regex", self.regex, "a non-empty regular expression")
+        _check(self.choice is None or (isinstance(self.choice, list) and bool(self.choice) and all(isinstance(c, str) and c for c in self.choice)), "choice", self.choice, "a non-empty list of non-empty strings")
+        given = [name for name in ("json_schema", "json_object", "grammar", "regex", "choice")
+                 if getattr(self, name) not in (None, False)]
+        _check(len(given) <= 1, given[-1] if given else "json_schema", given, "only one of json_schema, json_object, grammar, regex, choice")
+
+    @property
+    def constraint_key(self) -> tuple[str, str] | None:
+        """(kind, canonical text) of the output constraint, the key grammars are compiled and cached by."""
+        if self.json_schema is not None:
+            return "json_schema", json.dumps(self.json_schema, sort_keys=True, ensure_ascii=False)
+        if self.json_object:
+            return "json_object", ""
+        if self.grammar is not None:
+            return "grammar", self.grammar
+        if self.regex is not None:
+            return "regex", self.regex
+        if self.choice is not None:
+            return "choice", json.dumps(self.choice, ensure_ascii=False)
+        return None
 
     def check_vocab(self, vocab_size: int) -> None:
         """Token ids must exist in the model's vocabulary."""
@@ -72,6 +108,13 @@ class SamplingParams:
     @property
     def has_penalties(self) -> bool:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+
+def _schema_from_text(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"invalid json_schema={text[:80]!r}: not valid JSON ({err.msg} at line {err.lineno} column {err.colno})") from None
 
 
 def _is_int(v: object) -> bool:

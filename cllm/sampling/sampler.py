@@ -70,7 +70,15 @@ def _apply_biases_and_penalties(logits: np.ndarray, rows: Sequence[SamplingRow])
         if p.has_penalties:
             _apply_penalties(logits[i], p, row.prompt_token_ids, row.output_token_ids)
         if len(row.output_token_ids) < p.min_tokens and row.stop_ids:
-            logits[i, list(row.stop_ids)] = -np.inf
+            _suppress_stop(logits[i], list(row.stop_ids))
+
+
+def _suppress_stop(row: np.ndarray, stop_ids: list[int]) -> None:
+    """min_tokens: no stop token yet, unless a grammar allows nothing else (then it must end)."""
+    saved = row[stop_ids].copy()
+    row[stop_ids] = -np.inf
+    if not np.isfinite(row).any():
+        row[stop_ids] = saved
 
 
 def _apply_penalties(row: np.ndarray, p: SamplingParams, prompt: Sequence[int], output: Sequence[int]) -> None:
@@ -140,6 +148,7 @@ def _results(chosen: np.ndarray, rows: Sequence[SamplingRow], logprob_rows: list
         if k:
             top = np.argpartition(lp, -k)[-k:]
             top = top[np.argsort(-lp[top], kind="stable")]
+            top = [t for t in top if np.isfinite(lp[t])]  # a grammar's masked tokens are no alternatives
             res.top_ids = [int(t) for t in top]
             res.top_logprobs = [float(lp[t]) for t in top]
     return out

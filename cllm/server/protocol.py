@@ -2,8 +2,8 @@
 
 Requests validate strictly (``"n": "2"`` or ``"stream": "yes"`` are type
 errors, as on api.openai.com) but ignore fields we do not know, so clients that
-send extra OpenAI fields keep working; fields we know and cannot honour (tools,
-echo, suffix, JSON mode …) are listed by ``unsupported()`` and refused with 400.
+send extra OpenAI fields keep working; fields we know and cannot honour (legacy
+``functions``, echo, suffix …) are listed by ``unsupported()`` and refused with 400.
 Values are range-checked where they become SamplingParams, which names the bad
 parameter.
 """
@@ -51,6 +51,19 @@ class GenerationRequest(_Request):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool | None = None
     priority: int | None = Field(None, description="lower runs first under the priority scheduling policy")
+    # Constrained decoding: llama-server's `grammar` (GBNF) and vLLM's guided_* names.
+    grammar: str | None = Field(None, description="GBNF grammar the output must match (llama-server's field)")
+    guided_json: dict[str, Any] | str | None = Field(None, description="JSON Schema the output must match")
+    guided_regex: str | None = Field(None, description="regular expression the output must match")
+    guided_choice: list[str] | None = Field(None, description="the output is exactly one of these strings")
+    guided_grammar: str | None = Field(None, description="same as grammar")
+
+    def constraint(self) -> dict[str, Any]:
+        """SamplingParams constraint fields this request sets itself (several: SamplingParams refuses)."""
+        grammar = self.grammar if self.grammar is not None else self.guided_grammar  # two names, one field
+        fields = {"grammar": grammar, "json_schema": self.guided_json, "regex": self.guided_regex,
+                  "choice": self.guided_choice}
+        return {k: v for k, v in fields.items() if v is not None}
 
     def unsupported(self) -> tuple[str, str] | None:
         """(param, why) for the first field set to something this server cannot do."""
@@ -112,9 +125,10 @@ class ChatMessage(_Request):
 
 
 class ResponseFormat(_Request):
-    """``response_format``; only plain text is supported."""
+    """``response_format``: text, json_object, or json_schema (``{"name", "schema", "strict"}``)."""
 
     type: str
+    json_schema: dict[str, Any] | None = None
 
 
 class ChatCompletionRequest(GenerationRequest):
@@ -129,18 +143,14 @@ class ChatCompletionRequest(GenerationRequest):
     functions: list[Any] | None = None
     function_call: Any = None
     response_format: ResponseFormat | None = None
+    parallel_tool_calls: bool | None = None
     add_generation_prompt: bool | None = None
 
     def unsupported(self) -> tuple[str, str] | None:
-        if self.tools or self.functions:
-            return ("tools" if self.tools else "functions"), "tool / function calling is not supported"
-        if self.tool_choice not in (None, "none", "auto") or self.function_call not in (None, "none", "auto"):
-            return "tool_choice", "tool / function calling is not supported"
-        if self.response_format is not None and self.response_format.type != "text":
-            return "response_format", f"response_format type {self.response_format.type!r} is not supported (text only)"
-        for i, message in enumerate(self.messages):
-            if message.tool_calls or message.role == "tool":
-                return f"messages.{i}", "tool messages and tool calls are not supported"
+        if self.functions or self.function_call not in (None, "none", "auto"):
+            return "functions", "the deprecated functions / function_call fields are not supported: use tools / tool_choice"
+        if self.response_format is not None and self.response_format.type not in ("text", "json_object", "json_schema"):
+            return "response_format", f"response_format type {self.response_format.type!r} is not supported (text, json_object, json_schema)"
         return super().unsupported()
 
 
@@ -233,10 +243,22 @@ class ChatChoiceLogprobs(_Response):
     refusal: list[ChatTokenLogprob] | None = None
 
 
+class FunctionCall(_Response):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCallModel(_Response):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatResponseMessage(_Response):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
     refusal: str | None = None
+    tool_calls: list[ToolCallModel] | None = None
 
 
 class ChatChoice(_Response):
@@ -256,9 +278,24 @@ class ChatCompletionResponse(_Response):
     usage: UsageInfo | None = None
 
 
+class DeltaFunctionCall(_Response):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(_Response):
+    """A fragment of a streamed tool call; fragments with the same index concatenate."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall | None = None
+
+
 class DeltaMessage(_Response):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatStreamChoice(_Response):

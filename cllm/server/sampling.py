@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from cllm.sampling.params import SamplingParams
 from cllm.server.errors import APIError, bad_request, param_from_message
@@ -39,14 +40,22 @@ def _check_caps(req: GenerationRequest, max_tokens: int | None, limits: RequestL
 
 
 def build_sampling_params(
-    req: GenerationRequest, *, max_tokens: int | None, logprobs: int | None, limits: RequestLimits
+    req: GenerationRequest, *, max_tokens: int | None, logprobs: int | None, limits: RequestLimits,
+    constraint: dict[str, Any] | None = None,
 ) -> SamplingParams:
     """SamplingParams from a request; APIError(400) naming the parameter on any bad value.
 
     ``max_tokens`` and ``logprobs`` come resolved from the endpoint because the
     two APIs spell them differently (``max_completion_tokens``, ``top_logprobs``).
+    ``constraint`` holds output-constraint fields the endpoint derived (chat's response_format
+    or forced tool call); with the request's own grammar fields, at most one may be set.
     """
     _check_caps(req, max_tokens, limits)
+    own = req.constraint()
+    both = sorted(set(own) | set(constraint or {}))
+    if own and constraint:
+        raise bad_request(f"invalid {both[0]}: only one of grammar / guided_* / response_format / a forced tool call "
+                          f"may constrain the output (got {', '.join(both)})", param=both[0])
     try:
         params = SamplingParams(
             max_tokens=max_tokens,
@@ -66,6 +75,7 @@ def build_sampling_params(
             n=1 if req.n is None else req.n,
             logprobs=logprobs,
             include_stop_str_in_output=bool(req.include_stop_str_in_output),
+            **own, **(constraint or {}),
         )
         params.check_vocab(limits.vocab_size)
     except APIError:

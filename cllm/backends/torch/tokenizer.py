@@ -70,6 +70,11 @@ class HFTokenizer(Tokenizer):
     def decode(self, token_ids: Sequence[int]) -> str:
         return self._tok.decode(list(token_ids), skip_special_tokens=False)
 
+    @property
+    def special_token_ids(self) -> frozenset[int]:
+        added = getattr(self._tok, "added_tokens_decoder", {}) or {}
+        return frozenset(self._tok.all_special_ids) | frozenset(i for i, t in added.items() if getattr(t, "special", False))
+
     def token_bytes(self, token_id: int) -> bytes:
         piece = self._tok.convert_ids_to_tokens(int(token_id))
         if piece is None:

@@ -1,0 +1,94 @@
+"""Constrained decoding through the engine on the fake backend (a counting "model" whose favourite
+next token is never what the grammar wants): the mask decides, matchers follow preemption and
+abort, grammars compile once, bad ones are ValueErrors naming the field."""
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from cllm.engine.llm import LLM
+from cllm.sampling.params import SamplingParams
+from tests.unit.fakes import FakeBackend, fake_config
+
+
+def make_llm(**backend_kwargs) -> LLM:
+    return LLM(backend=FakeBackend(**backend_kwargs), config=fake_config())
+
+
+def test_choice_is_followed_against_the_models_preference():
+    llm = make_llm()
+    # The counting model wants "b" after "a"; only "cab" / "zebra" are allowed.
+    out = llm.generate("a", SamplingParams(max_tokens=20, temperature=0, choice=["zebra", "cab"]))[0]
+    assert out.outputs[0].text == "cab" and out.outputs[0].finish_reason == "stop"
+
+
+def test_regex_with_sampling_n_choices_and_unconstrained_batch_mates():
+    llm = make_llm()
+    regex = SamplingParams(max_tokens=30, temperature=1.5, seed=3, n=4, regex="x(ab|cd){1,5}y")
+    free = SamplingParams(max_tokens=5, temperature=0)
+    outs = llm.generate(["a", "c", "e"], [regex, free, regex])
+    for out in (outs[0], outs[2]):
+        for choice in out.outputs:
+            assert re.fullmatch("x(ab|cd){1,5}y", choice.text), choice.text
+            assert choice.finish_reason == "stop"
+    assert outs[1].outputs[0].text == "defgh"  # the unconstrained neighbour is untouched
+    assert llm.engine.structured._tracked == {}  # every matcher given back
+
+
+def test_matcher_follows_tokens_kept_across_preemption():
+    # KV for ~1.5 sequences: the scheduler keeps preempting (recompute) while both grow.
+    llm = make_llm(slots=2, kv_tokens=40)
+    params = SamplingParams(max_tokens=24, temperature=0, regex="q[a-z]{10,20}z")
+    outs = llm.generate(["abcd", "efgh"], params)
+    assert llm.engine.scheduler.num_preemptions > 0
+    for out in outs:
+        assert re.fullmatch("q[a-z]{10,20}z", out.outputs[0].text), out.outputs[0].text
+
+
+def test_grammar_ends_the_request_despite_min_tokens():
+    llm = make_llm()
+    out = llm.generate("a", SamplingParams(max_tokens=20, temperature=0, min_tokens=10, grammar='root ::= "ok"'))[0]
+    assert out.outputs[0].text == "ok" and out.outputs[0].finish_reason == "stop"
+
+
+def test_compiled_once_per_key_and_abort_frees_the_matcher():
+    llm = make_llm()
+    engine = llm.engine
+    params = SamplingParams(max_tokens=5, temperature=0, choice=["abc"])
+    rid = engine.add_request("a", params)
+    engine.step()
+    assert engine.structured.is_constrained(rid)
+    engine.abort_request(rid)
+    assert not engine.structured.is_constrained(rid)
+    llm.generate(["a", "b"], SamplingParams(max_tokens=5, temperature=0, choice=["abc"]))
+    assert engine.structured.cache.misses == 1 and engine.structured.cache.hits >= 3
+
+
+@pytest.mark.parametrize("params, name", [
+    (dict(grammar="root ::= foo"), "grammar"),
+    (dict(regex="[a-"), "regex"),
+    (dict(json_schema={"type": "strin"}), "json_schema"),
+])
+def test_uncompilable_constraint_is_a_value_error_naming_it(params, name):
+    llm = make_llm()
+    with pytest.raises(ValueError, match=rf"invalid {name}=.*does not compile"):
+        llm.generate("a", SamplingParams(max_tokens=5, **params))
+    assert not llm.engine.has_unfinished()
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(regex="a", choice=["a"]), "only one of"),
+    (dict(json_schema="{not json"), "not valid JSON"),
+    (dict(choice=[]), "invalid choice"),
+    (dict(grammar="  "), "invalid grammar"),
+])
+def test_bad_constraint_params(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kwargs)
+
+
+def test_constraint_key_canonical():
+    a = SamplingParams(json_schema={"b": 1, "a": {"type": "string"}})
+    b = SamplingParams(json_schema='{"a": {"type": "string"}, "b": 1}')
+    assert a.constraint_key == b.constraint_key and SamplingParams().constraint_key is None
