@@ -117,6 +117,7 @@ class StructuredConfig(_Section):
     """Constrained decoding and tool calling."""
 
     grammar_cache_size: int = Field(128, ge=1, le=1 << 16, description="compiled grammars (JSON schemas, GBNF, regex, choice lists) kept, least recently used dropped first")
+    max_parallel_tool_calls: int = Field(4, ge=1, le=128, description="most calls in one forced reply (tool_choice required with parallel_tool_calls); bounds a small model that would repeat calls until max_tokens")
     tool_call_parser: Literal["auto", "hermes", "llama3_json", "mistral", "generic"] = Field("auto", description="how tool calls are read out of the model's text: auto = from the chat template (<tool_call> -> hermes, [TOOL_CALLS] -> mistral, <|python_tag|>/ipython -> llama3_json; a template that does not render tools -> generic, with the tools described in the system message)")
 
 

@@ -95,12 +95,6 @@ class Tokenizer(ABC):
         """The text form of a special token, for templates ("<|im_end|>")."""
         return self.decode([token_id])
 
-    @property
-    def special_token_ids(self) -> frozenset[int]:
-        """Control tokens whose ``token_bytes`` is their text form rather than empty (constrained
-        decoding must never let them stand for that text)."""
-        return frozenset()
-
 
 class Backend(ABC):
     """An inference runtime the scheduler drives. See the module docstring."""

@@ -28,8 +28,9 @@ def prepare_chat(engine: Any, messages: Sequence[dict], params: SamplingParams |
                  add_generation_prompt: bool = True) -> ChatRequest:
     """Resolve a chat call; ValueError names a bad tools / tool_choice / response_format value."""
     params = params or SamplingParams()
+    settings = engine.config.structured
     plan = plan_tools(tools, tool_choice, parallel_tool_calls, engine.tokenizer.chat_template,
-                      engine.config.structured.tool_call_parser)
+                      settings.tool_call_parser, settings.max_parallel_tool_calls)
     constraint = response_format_constraint(response_format)
     forced = plan.forced_schema() if plan is not None else None
     if forced is not None:

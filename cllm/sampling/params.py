@@ -82,9 +82,10 @@ class SamplingParams:
 
     @property
     def constraint_key(self) -> tuple[str, str] | None:
-        """(kind, canonical text) of the output constraint, the key grammars are compiled and cached by."""
+        """(kind, text) of the output constraint, the key grammars are compiled and cached by. Schema
+        keys keep their order: properties are generated in the order the schema lists them."""
         if self.json_schema is not None:
-            return "json_schema", json.dumps(self.json_schema, sort_keys=True, ensure_ascii=False)
+            return "json_schema", json.dumps(self.json_schema, ensure_ascii=False)
         if self.json_object:
             return "json_object", ""
         if self.grammar is not None:

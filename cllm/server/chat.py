@@ -11,6 +11,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import Response
 
+from cllm.config import StructuredConfig
 from cllm.engine.chat_request import attach_tool_calls
 from cllm.outputs import RequestOutput
 from cllm.server.access_log import access_record
@@ -165,9 +166,10 @@ def _message(text: str, calls: list[ToolCall] | None) -> ChatResponseMessage:
     return ChatResponseMessage(content=text or None, tool_calls=models)
 
 
-def _plan(body: ChatCompletionRequest, engine: Any, parser: str) -> ToolPlan | None:
+def _plan(body: ChatCompletionRequest, engine: Any, settings: StructuredConfig) -> ToolPlan | None:
     try:
-        return plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls, engine.tokenizer.chat_template, parser)
+        return plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls, engine.tokenizer.chat_template,
+                          settings.tool_call_parser, settings.max_parallel_tool_calls)
     except ValueError as exc:
         raise bad_request(str(exc), param=param_from_message(str(exc)) or "tools") from None
 
@@ -201,7 +203,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     reject_unsupported(body)
     # Jinja rendering and tokenising a large conversation take a while: off the event loop, so they do
     # not stall every other stream (issue 9 defect 17).
-    plan = _plan(body, model.engine, state.config.structured.tool_call_parser)
+    plan = _plan(body, model.engine, state.config.structured)
     constraint = _constraint(body, plan)
     prompt = await run_in_threadpool(render_chat, model.engine, body.messages, body.add_generation_prompt is not False, plan)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens

@@ -44,6 +44,7 @@ class StructuredOutputs:
         self._tracked: dict[str, _Tracked] = {}
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None  # the mask-filling thread
         self._batch: Any = None  # xgrammar.BatchGrammarMatcher, with the pool
+        self._inflight: concurrent.futures.Future | None = None  # a fill not consumed yet (the step failed)
 
     def compile(self, params: SamplingParams) -> Any | None:
         """Compile (or fetch) the request's grammar; ValueError if it does not compile."""
@@ -64,6 +65,7 @@ class StructuredOutputs:
     def start_fill(self, requests: Sequence[Request]) -> PendingMask | None:
         """Begin filling the bitmask of every constrained row about to be sampled: all rows in one
         batched xgrammar call, in a worker thread so it overlaps the forward pass."""
+        self._settle()
         rows = [r for r in requests if r.request_id in self._tracked]
         if not rows:
             return None
@@ -75,7 +77,8 @@ class StructuredOutputs:
             self._batch = xgr.BatchGrammarMatcher()
             self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="cllm-grammar")
         matchers = [self._tracked[r.request_id].matcher for r in rows]
-        return PendingMask([r.request_id for r in rows], self._pool.submit(self._fill, matchers))
+        self._inflight = self._pool.submit(self._fill, matchers)
+        return PendingMask([r.request_id for r in rows], self._inflight)
 
     def _fill(self, matchers: list[Any]) -> np.ndarray:
         bitmask = np.empty((len(matchers), (self._vocab_size + 31) // 32), dtype=np.int32)
@@ -87,6 +90,7 @@ class StructuredOutputs:
         if pending is None:
             return
         bitmask = pending.future.result()
+        self._inflight = None
         row_of = {rid: i for i, rid in enumerate(request_ids)}
         # A sequence the batch dropped (it failed alone) has no logits row.
         pairs = [(row_of[rid], k) for k, rid in enumerate(pending.request_ids) if rid in row_of]
@@ -100,6 +104,7 @@ class StructuredOutputs:
         tracked = self._tracked.get(request.request_id)
         if tracked is None:
             return False
+        self._settle()
         self._sync(request)
         return bool(tracked.matcher.is_terminated())
 
@@ -119,10 +124,18 @@ class StructuredOutputs:
                 raise RuntimeError(f"grammar rejected token {token} of request {request.request_id}")
         tracked.accepted = len(output)
 
+    def _settle(self) -> None:
+        """Wait for a fill whose step ended early (a backend error): matchers are not thread-safe,
+        and the worker may still be reading them."""
+        if self._inflight is not None:
+            concurrent.futures.wait([self._inflight])
+            self._inflight = None
+
     def remove(self, request_id: str) -> None:
         self._tracked.pop(request_id, None)
 
     def close(self) -> None:
+        self._settle()
         self._tracked.clear()
         if self._pool is not None:
             self._pool.shutdown(wait=True)

@@ -7,15 +7,11 @@ from cllm.backends.base import Tokenizer
 
 
 def token_bytes_table(tokenizer: Tokenizer) -> list[bytes]:
-    """One entry per logits column. Control tokens (and ids past the tokenizer's own vocabulary,
-    padding of the logits) are empty: xgrammar treats empty tokens as special, never allowed
-    inside the grammar, so "<|im_end|>" can't be spelt out inside a JSON string."""
-    special = tokenizer.special_token_ids
+    """One entry per logits column. Control tokens (empty ``token_bytes`` in both backends) and ids
+    past the tokenizer's own vocabulary (padding of the logits) are empty: xgrammar treats empty
+    tokens as special, never allowed inside the grammar, so "<|im_end|>" can't appear in a JSON string."""
     table = []
     for token_id in range(tokenizer.vocab_size):
-        if token_id in special:
-            table.append(b"")
-            continue
         try:
             table.append(tokenizer.token_bytes(token_id))
         except (ValueError, IndexError, KeyError):

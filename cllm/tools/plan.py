@@ -27,6 +27,7 @@ class ToolPlan:
     parallel: bool  # parallel_tool_calls: several calls in one reply allowed
     parser: ToolParser  # reads calls out of free (auto) text
     native: bool  # the chat template renders `tools` itself
+    max_calls: int = 4  # most calls a forced reply may hold when parallel calls are allowed
 
     @property
     def active(self) -> bool:
@@ -46,8 +47,7 @@ class ToolPlan:
         items = [{"type": "object", "properties": {"name": {"type": "string", "enum": [t.name]}, "arguments": t.parameters},
                   "required": ["name", "arguments"]} for t in chosen]
         calls: dict[str, Any] = {"type": "array", "items": items[0] if len(items) == 1 else {"anyOf": items}, "minItems": 1}
-        if not self.parallel or self.choice.mode == "function":
-            calls["maxItems"] = 1
+        calls["maxItems"] = self.max_calls if self.parallel and self.choice.mode == "required" else 1
         return {"type": "object", "properties": {"tool_calls": calls}, "required": ["tool_calls"]}
 
     def prepare_messages(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -82,7 +82,7 @@ class ToolPlan:
 
 
 def plan_tools(tools: Any, tool_choice: Any, parallel_tool_calls: bool | None, template_source: str | None,
-               parser_name: str = "auto") -> ToolPlan | None:
+               parser_name: str = "auto", max_parallel_calls: int = 4) -> ToolPlan | None:
     """The plan for a request's ``tools`` / ``tool_choice``; None when it has no tools.
     ValueError names the bad field."""
     functions = parse_tools(tools)
@@ -93,7 +93,7 @@ def plan_tools(tools: Any, tool_choice: Any, parallel_tool_calls: bool | None, t
     if name not in PARSERS:
         raise ValueError(f"invalid tool_call_parser={name!r}: must be auto or one of {', '.join(PARSERS)}")
     native = name != "generic" and _renders_tools(template_source)
-    return ToolPlan(functions, choice, parallel_tool_calls is not False, PARSERS[name](), native)
+    return ToolPlan(functions, choice, parallel_tool_calls is not False, PARSERS[name](), native, max_parallel_calls)
 
 
 def _renders_tools(source: str | None) -> bool:

@@ -90,5 +90,24 @@ def test_bad_constraint_params(kwargs, match):
 
 def test_constraint_key_canonical():
     a = SamplingParams(json_schema={"b": 1, "a": {"type": "string"}})
-    b = SamplingParams(json_schema='{"a": {"type": "string"}, "b": 1}')
+    b = SamplingParams(json_schema='{"b": 1,  "a": {"type":"string"}}')
     assert a.constraint_key == b.constraint_key and SamplingParams().constraint_key is None
+    assert '"b"' in a.constraint_key[1].split('"a"')[0]  # property order kept: it is the generation order
+
+
+def test_a_failing_batch_mate_leaves_the_constrained_rows_right():
+    backend = FakeBackend()
+    llm = LLM(backend=backend, config=fake_config())
+    engine = llm.engine
+    params = SamplingParams(max_tokens=20, temperature=0, regex="z[a-c]{3}z")
+    good = engine.add_request("a", params, request_id="good")
+    engine.add_request("b", params, request_id="bad")
+    backend.fail_when = {"bad"}  # the batch fails; rerun one by one, only "bad" fails
+    finals = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out
+    assert finals["bad"].outputs[0].finish_reason == "error"
+    assert re.fullmatch("z[a-c]{3}z", finals[good].outputs[0].text)
+    assert engine.structured._tracked == {}

@@ -96,7 +96,7 @@ def test_parser_chosen_from_template():
 def test_forced_schema_required_and_named():
     required = plan_tools([WEATHER, TIME], "required", None, NO_TOOLS_TEMPLATE).forced_schema()
     calls = required["properties"]["tool_calls"]
-    assert calls["minItems"] == 1 and "maxItems" not in calls
+    assert calls["minItems"] == 1 and calls["maxItems"] == 4
     assert [i["properties"]["name"]["enum"] for i in calls["items"]["anyOf"]] == [["get_weather"], ["get_time"]]
     single = plan_tools([WEATHER, TIME], "required", False, NO_TOOLS_TEMPLATE).forced_schema()
     assert single["properties"]["tool_calls"]["maxItems"] == 1

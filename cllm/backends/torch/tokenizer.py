@@ -42,6 +42,11 @@ class HFTokenizer(Tokenizer):
         self._eos = frozenset(eos)
         decoder = getattr(getattr(hf_tokenizer, "backend_tokenizer", None), "decoder", None)
         self._byte_level = type(decoder).__name__ == "ByteLevel"
+        added = getattr(hf_tokenizer, "added_tokens_decoder", {}) or {}
+        # Control tokens (EOS, <|im_start|> …) stand for no text, as in llama.cpp's pieces: an EOS
+        # must not append "<|im_end|>" to the output, nor may a grammar spell text with them.
+        self._special = frozenset(hf_tokenizer.all_special_ids) | frozenset(
+            i for i, t in added.items() if getattr(t, "special", False))
 
     @classmethod
     def load(cls, directory: Path, *, gguf_file: str | None, vocab_size: int, extra_eos_ids: Iterable[int] = ()) -> HFTokenizer:
@@ -70,12 +75,9 @@ class HFTokenizer(Tokenizer):
     def decode(self, token_ids: Sequence[int]) -> str:
         return self._tok.decode(list(token_ids), skip_special_tokens=False)
 
-    @property
-    def special_token_ids(self) -> frozenset[int]:
-        added = getattr(self._tok, "added_tokens_decoder", {}) or {}
-        return frozenset(self._tok.all_special_ids) | frozenset(i for i, t in added.items() if getattr(t, "special", False))
-
     def token_bytes(self, token_id: int) -> bytes:
+        if token_id in self._special:
+            return b""
         piece = self._tok.convert_ids_to_tokens(int(token_id))
         if piece is None:
             return b""
