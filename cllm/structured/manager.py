@@ -85,8 +85,9 @@ class StructuredOutputs:
         self._batch.batch_fill_next_token_bitmask(matchers, bitmask)
         return bitmask
 
-    def apply(self, logits: np.ndarray, request_ids: Sequence[str], pending: PendingMask | None) -> None:
-        """Disallowed tokens of the constrained rows get -inf logits (in place)."""
+    def apply(self, logits: Any, request_ids: Sequence[str], pending: PendingMask | None) -> None:
+        """Disallowed tokens of the constrained rows get -inf logits (in place): a numpy array, or a
+        torch tensor on any device (xgrammar's kernel, no copy of the logits to the host)."""
         if pending is None:
             return
         bitmask = pending.future.result()
@@ -94,9 +95,13 @@ class StructuredOutputs:
         row_of = {rid: i for i, rid in enumerate(request_ids)}
         # A sequence the batch dropped (it failed alone) has no logits row.
         pairs = [(row_of[rid], k) for k, rid in enumerate(pending.request_ids) if rid in row_of]
-        if pairs:
-            rows, ks = (list(x) for x in zip(*pairs))
+        if not pairs:
+            return
+        rows, ks = (list(x) for x in zip(*pairs))
+        if isinstance(logits, np.ndarray):
             logits[rows] = masked(logits[rows], bitmask[ks], self._vocab_size)
+        else:
+            _mask_tensor(logits, rows, bitmask[ks], self._vocab_size)
 
     def accept(self, request: Request) -> bool:
         """Advance the matcher by the sequence's newest token; True when the grammar is complete
@@ -140,6 +145,17 @@ class StructuredOutputs:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
+
+
+def _mask_tensor(logits: Any, rows: list[int], bitmask: np.ndarray, vocab_size: int) -> None:
+    import torch
+    import xgrammar as xgr
+
+    full = torch.full((logits.shape[0], bitmask.shape[1]), -1, dtype=torch.int32)  # -1: every token allowed
+    full[rows] = torch.from_numpy(bitmask)
+    xgr.apply_token_bitmask_inplace(logits, full.to(logits.device), vocab_size=vocab_size, indices=rows)
+    if logits.shape[1] > vocab_size:
+        logits[rows, vocab_size:] = float("-inf")
 
 
 def masked(logits: np.ndarray, bitmask: np.ndarray, vocab_size: int) -> np.ndarray:

@@ -62,19 +62,30 @@ def test_chat_tool_choice_required_gives_a_parsed_call(llm):
     assert isinstance(json.loads(choice.tool_calls[0].arguments)["city"], str)
 
 
-def test_async_chat_json_schema():
+def test_async_chat_streams_json_schema_and_gives_tool_calls():
     schema = {"type": "json_schema", "json_schema": {"name": "pet", "schema": Pet.model_json_schema()}}
 
     async def main():
         engine = cllm.AsyncLLM(n_threads=1, n_ctx=2048, n_seq_max=2)
         try:
-            return await engine.chat([{"role": "user", "content": "A pet, as JSON."}],
-                                     SamplingParams(temperature=0, max_tokens=80), response_format=schema)
+            pieces, final = [], None
+            async for out in engine.chat([{"role": "user", "content": "A pet, as JSON."}],
+                                         SamplingParams(temperature=0, max_tokens=80), response_format=schema):
+                pieces.append(out.outputs[0].text_delta)
+                final = out
+            calls = None
+            async for out in engine.chat([{"role": "user", "content": "Weather in Oslo?"}],
+                                         SamplingParams(temperature=0, max_tokens=80), tools=[WEATHER_TOOL],
+                                         tool_choice={"type": "function", "function": {"name": "get_weather"}}):
+                calls = out.outputs[0].tool_calls
+            return "".join(pieces), final, calls
         finally:
             await engine.shutdown()
 
-    out = asyncio.run(main())
-    Pet.model_validate_json(out.outputs[0].text)
+    streamed, final, calls = asyncio.run(main())
+    assert streamed == final.outputs[0].text and final.finished
+    Pet.model_validate_json(streamed)
+    assert [c.name for c in calls] == ["get_weather"] and isinstance(json.loads(calls[0].arguments)["city"], str)
 
 
 def test_bad_response_format_and_tools_raise_value_error(llm):

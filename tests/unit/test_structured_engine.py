@@ -111,3 +111,26 @@ def test_a_failing_batch_mate_leaves_the_constrained_rows_right():
     assert finals["bad"].outputs[0].finish_reason == "error"
     assert re.fullmatch("z[a-c]{3}z", finals[good].outputs[0].text)
     assert engine.structured._tracked == {}
+
+
+def test_mask_applies_to_numpy_and_torch_logits_alike():
+    import numpy as np
+    import torch
+
+    from cllm.request import Request
+    from cllm.structured import StructuredOutputs
+    from tests.unit.fakes import ByteTokenizer
+
+    tok = ByteTokenizer()
+    structured = StructuredOutputs(tok, cache_size=4)
+    req = Request("r", [0], SamplingParams(choice=["cab", "dog"]), max_tokens=5)
+    structured.compile(req.params)
+    structured.add(req)
+    base = np.random.default_rng(0).normal(size=(3, tok.vocab_size + 5)).astype(np.float32)  # padded logits
+    as_numpy, as_torch = base.copy(), torch.from_numpy(base.copy())
+    for logits in (as_numpy, as_torch):
+        structured.apply(logits, ["x", "r", "y"], structured.start_fill([req]))
+    assert np.array_equal(as_numpy, as_torch.numpy())
+    assert list(np.flatnonzero(np.isfinite(as_numpy[1]))) == [2, 3, 28, 29, 54, 55]  # the tokens spelling "c" or "d"
+    assert np.array_equal(as_numpy[[0, 2]], base[[0, 2]])  # unconstrained rows untouched
+    structured.close()
