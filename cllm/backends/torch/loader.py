@@ -7,6 +7,7 @@ there, so the same file runs on both backends.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +29,9 @@ class RopeSpec:
     low_freq_factor: float = 1.0  # llama3: wavelengths above original_max / this are fully scaled
     high_freq_factor: float = 4.0  # llama3: wavelengths below original_max / this are kept
     original_max_position: int = 8192  # llama3: context the model was pretrained on
+    # Per-pair frequency divisors as llama.cpp applies them (GGUF ``rope_freqs.weight``: Llama-3.x files
+    # carry their llama3 scaling this way, not in metadata); applied on top of rope_type; None = none.
+    freq_factors: tuple[float, ...] | None = None
 
 
 @dataclass(slots=True, frozen=True)
@@ -164,6 +168,19 @@ def _load_gguf(path: Path) -> LoadedModel:
     # transformers dequantizes every tensor and undoes llama.cpp's Q/K permutation.
     hf_model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
     spec = spec_from_config(hf_model.config)
+    factors = gguf_rope_freq_factors(path)
+    if factors is not None:  # transformers' GGUF loader drops this tensor: without it rope is wrong
+        spec = dataclasses.replace(spec, rope=dataclasses.replace(spec.rope, freq_factors=factors))
     state = {k: v.detach() for k, v in hf_model.state_dict().items()}
     eos = _as_ids(hf_model.config.eos_token_id) + _as_ids(getattr(hf_model.generation_config, "eos_token_id", None))
     return LoadedModel(spec, state, path.parent, path.name, eos)
+
+
+def gguf_rope_freq_factors(path: Path) -> tuple[float, ...] | None:
+    """The ``rope_freqs.weight`` tensor of a GGUF file (llama.cpp divides each rotary frequency by it)."""
+    from gguf import GGUFReader
+
+    for tensor in GGUFReader(str(path)).tensors:
+        if tensor.name == "rope_freqs.weight":
+            return tuple(float(x) for x in tensor.data.astype("float64").reshape(-1))
+    return None

@@ -22,12 +22,17 @@ from cllm.backends.torch.loader import ModelSpec, RopeSpec
 
 
 def rope_inv_freq(rope: RopeSpec, head_dim: int) -> torch.Tensor:
-    """Per-pair rotary frequencies, with linear or llama3 scaling applied (as transformers does)."""
+    """Per-pair rotary frequencies, with linear or llama3 scaling applied (as transformers does), then
+    divided by a GGUF file's ``rope_freqs`` factors when it has them (as llama.cpp does)."""
     inv_freq = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     if rope.rope_type == "linear":
-        return inv_freq / rope.factor
-    if rope.rope_type == "llama3":
-        return _llama3_scaled(inv_freq, rope)
+        inv_freq = inv_freq / rope.factor
+    elif rope.rope_type == "llama3":
+        inv_freq = _llama3_scaled(inv_freq, rope)
+    if rope.freq_factors is not None:
+        if len(rope.freq_factors) != len(inv_freq):
+            raise ValueError(f"rope_freqs has {len(rope.freq_factors)} factors for {len(inv_freq)} rotary pairs (head_dim {head_dim})")
+        inv_freq = inv_freq / torch.tensor(rope.freq_factors, dtype=torch.float32)
     return inv_freq
 
 
