@@ -20,6 +20,7 @@ import torch
 from cllm.backends.base import Admission, Backend, BackendCapacity, BackendError, KVCacheFullError, Tokenizer
 from cllm.backends.torch.attention import SeqChunk, attention_mode, build_attention_batch, slot_mapping
 from cllm.backends.torch.block_manager import BlockManager
+from cllm.backends.torch.cuda_graphs import DecodeGraphs, graph_buckets
 from cllm.backends.torch.device import resolve_device, resolve_dtype
 from cllm.backends.torch.flex import flex_function
 from cllm.backends.torch.kv_cache import KVCacheShape, PagedKVCache
@@ -70,13 +71,28 @@ class TorchBackend(Backend):
         self._attention = attention_mode(config.torch.attention, self.device, block_size)
         # FlexAttention's eager fallback is dense over the whole pool: compiled on CUDA always, on CPU when asked.
         self._flex_fn = flex_function(self.device.type == "cuda" or config.torch.torch_compile)
+        # One extra block no sequence owns: padding rows of captured decode graphs write and read only it.
+        self._scratch_block = num_blocks
         self.kv = PagedKVCache(
-            KVCacheShape(self.spec.num_layers, num_blocks, block_size, self.spec.num_kv_heads, self.spec.head_dim),
+            KVCacheShape(self.spec.num_layers, num_blocks + 1, block_size, self.spec.num_kv_heads, self.spec.head_dim),
             dtype=self.dtype, device=self.device, head_major=self._attention != "flash",
         )
         self._capacity = BackendCapacity(
             max_num_seqs=max_seqs, max_batch_tokens=max_tokens, max_model_len=max_len, kv_tokens=num_blocks * block_size,
         )
+        self._graphs = self._decode_graphs(config, max_seqs)
+
+    def _decode_graphs(self, config: CllmConfig, max_seqs: int) -> DecodeGraphs | None:
+        """Captured decode graphs: CUDA with FlexAttention and cuda_graphs on; None elsewhere."""
+        if not (config.torch.cuda_graphs and self.device.type == "cuda" and self._attention == "flex"):
+            return None
+        graphs = DecodeGraphs(
+            self.model, self.kv, buckets=graph_buckets(min(config.torch.cuda_graph_max_batch, max_seqs)),
+            scratch_block=self._scratch_block, flex_fn=self._flex_fn, capture=True,
+        )
+        with torch.inference_mode():
+            graphs.capture_all()
+        return graphs
 
     def _num_blocks(self, config: CllmConfig, block_size: int, max_seqs: int, max_tokens: int, max_len: int) -> int:
         """CPU: n_ctx tokens. CUDA: what gpu_memory_utilization leaves after the weights (ValueError if
@@ -94,7 +110,7 @@ class TorchBackend(Backend):
             cuda_memory(self.device), utilization=config.torch.gpu_memory_utilization, activation_reserve=reserve,
             bytes_per_block=per_block, block_size=block_size, min_tokens=max_len,
         )
-        return sizing.num_blocks
+        return sizing.num_blocks - 1  # one block of the budget is the scratch block
 
     # ----- contract: fixed facts -----------------------------------------------------------
 
@@ -204,6 +220,10 @@ class TorchBackend(Backend):
             SeqChunk(c.row_start, c.row_end - c.row_start, c.start_pos, self.blocks.sequence(c.seq_id).block_ids)
             for c in chunks
         ]
+        if self._graphs is not None and len(chunks) == len(ids):  # a pure decode step: replay a graph
+            logits = self._graphs.run(ids, seq_chunks)
+            if logits is not None:  # rows in chunk order; row_start == chunk index here
+                return logits.index_select(0, self._to_device(np.asarray(rows, dtype=np.int64))).cpu().numpy()
         batch = build_attention_batch(
             seq_chunks, self.kv, q_per_kv=self.spec.num_heads // self.spec.num_kv_heads, mode=self._attention,
             flex_fn=self._flex_fn,

@@ -74,37 +74,66 @@ def _kv_index(compact: np.ndarray, cache: PagedKVCache) -> torch.Tensor:
     return torch.nn.functional.pad(t, (0, cache.shape.num_blocks - compact.shape[-1]))
 
 
-def _paged_mask_mod(tables: np.ndarray, counts: np.ndarray, first_pos: np.ndarray, cache: PagedKVCache) -> Callable:
-    """mask_mod of sequences (batch rows) with these block tables: a slot is visible to query q of row b
-    when its block is one of b's and its position is at or before b's query position ``first_pos[b] + q``.
+@dataclass(slots=True)
+class PagedMaskTensors:
+    """The device tensors a paged block mask is made of. For a decode group their shapes depend only
+    on the batch size and the pool, so a CUDA graph captures them once and each step copies new
+    values in (:meth:`copy_from`)."""
 
-    Exact on its own (FlexAttention's eager path evaluates it on every slot of the pool; compiled
-    kernels only on the partial blocks). The physical -> logical block lookup is built on the device
-    by one scatter: ``[B, num_blocks]`` small integers.
-    """
-    device, bs, num_blocks = cache.k.device, cache.shape.block_size, cache.shape.num_blocks
+    part_num: torch.Tensor  # [B, 1, q_blocks] int32: partially visible blocks per query block
+    part_idx: torch.Tensor  # [B, 1, q_blocks, num_blocks] int32: their physical ids (first part_num valid)
+    full_num: torch.Tensor  # [B, 1, q_blocks] int32: wholly visible blocks per query block
+    full_idx: torch.Tensor  # [B, 1, q_blocks, num_blocks] int32: their physical ids
+    block_of: torch.Tensor  # [B, num_blocks] int32: logical index of each physical block in the row's table, -1 = not its
+    base: torch.Tensor  # [B] int64: position of the row's first query
+
+    def copy_from(self, other: PagedMaskTensors) -> None:
+        for name in self.__slots__:
+            getattr(self, name).copy_(getattr(other, name))
+
+
+def paged_mask_tensors(tables: np.ndarray, counts: np.ndarray, first_pos: np.ndarray, part_num: np.ndarray,
+                       part_idx: np.ndarray, full_num: np.ndarray, full_idx: np.ndarray,
+                       cache: PagedKVCache) -> PagedMaskTensors:
+    """Upload compact host tables; widen and build the physical -> logical lookup on the device."""
+    device, num_blocks = cache.k.device, cache.shape.num_blocks
     width = tables.shape[1]
     # padding columns of the tables scatter into a spare column past the pool, dropped after
     padded = np.where(np.arange(width)[None, :] < counts[:, None], tables, num_blocks)
     logical = torch.full((len(tables), num_blocks + 1), -1, dtype=torch.int32, device=device)
     logical.scatter_(1, _tensor(padded.astype(np.int64), device),
                      torch.arange(width, dtype=torch.int32, device=device).expand(len(tables), -1).contiguous())
-    block_of = logical[:, :num_blocks]
-    base = _tensor(first_pos.astype(np.int64), device)
+    return PagedMaskTensors(
+        _tensor(part_num.astype(np.int32), device), _kv_index(part_idx, cache),
+        _tensor(full_num.astype(np.int32), device), _kv_index(full_idx, cache),
+        logical[:, :num_blocks].contiguous(), _tensor(first_pos.astype(np.int64), device),
+    )
+
+
+def paged_block_mask(t: PagedMaskTensors, q_len: int, cache: PagedKVCache) -> BlockMask:
+    """The BlockMask over ``t``: its mask_mod reads ``t``'s lookup tensors, so it is exact by itself
+    (FlexAttention's eager path evaluates it on every slot of the pool; compiled kernels only on the
+    partial blocks): a slot is visible to query q of row b when its block is one of b's and its
+    position is at or before ``base[b] + q``."""
+    bs = cache.shape.block_size
+    block_of, base = t.block_of, t.base
 
     def mask_mod(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
         lg = block_of[b, kv // bs]
         return (lg >= 0) & (lg * bs + kv % bs <= base[b] + q)
 
-    return mask_mod
+    return BlockMask.from_kv_blocks(
+        t.part_num, t.part_idx, t.full_num, t.full_idx, BLOCK_SIZE=(Q_BLOCK, bs), mask_mod=mask_mod,
+        seq_lengths=(q_len, cache.shape.num_blocks * bs),
+        compute_q_blocks=False,  # inference only: the transposed (backward) tables would be [.., num_blocks] wide
+    )
 
 
-def build_flex_decode(
-    context_lens: Sequence[int], block_tables: Sequence[Sequence[int]], rows: torch.Tensor | None, cache: PagedKVCache
-) -> FlexDecode:
-    """Block mask of a decode group: sequence b reads its first ``ceil(len_b / block_size)`` blocks,
-    all full but the last (which holds the new token)."""
-    device, bs, total = cache.k.device, cache.shape.block_size, cache.shape.num_blocks * cache.shape.block_size
+def flex_decode_tensors(context_lens: Sequence[int], block_tables: Sequence[Sequence[int]],
+                        cache: PagedKVCache) -> PagedMaskTensors:
+    """Decode group: sequence b reads its first ``ceil(len_b / block_size)`` blocks, all full but the
+    last (which holds the new token)."""
+    bs = cache.shape.block_size
     lens = np.asarray(context_lens, dtype=np.int64)
     nb = -(-lens // bs)
     tables = np.zeros((len(lens), int(nb.max())), dtype=np.int32)
@@ -113,13 +142,16 @@ def build_flex_decode(
     full_idx = np.where(np.arange(tables.shape[1])[None, :] < (nb - 1)[:, None], tables, 0)
     part_idx = np.zeros_like(tables)
     part_idx[:, 0] = tables[np.arange(len(lens)), nb - 1]
-    mask = BlockMask.from_kv_blocks(
-        _tensor(np.ones((len(lens), 1, 1), dtype=np.int32), device), _kv_index(part_idx[:, None, None, :], cache),
-        _tensor((nb - 1).astype(np.int32).reshape(-1, 1, 1), device), _kv_index(full_idx[:, None, None, :], cache),
-        BLOCK_SIZE=(Q_BLOCK, bs), mask_mod=_paged_mask_mod(tables, nb, lens - 1, cache), seq_lengths=(1, total),
-        compute_q_blocks=False,  # inference only: the transposed (backward) tables would be [.., num_blocks] wide
-    )
-    return FlexDecode(rows, len(lens), mask)
+    return paged_mask_tensors(tables, nb, lens - 1, np.ones((len(lens), 1, 1)), part_idx[:, None, None, :],
+                              (nb - 1).reshape(-1, 1, 1), full_idx[:, None, None, :], cache)
+
+
+def build_flex_decode(
+    context_lens: Sequence[int], block_tables: Sequence[Sequence[int]], rows: torch.Tensor | None, cache: PagedKVCache
+) -> FlexDecode:
+    """The decode group's FlexAttention metadata."""
+    mask = paged_block_mask(flex_decode_tensors(context_lens, block_tables, cache), 1, cache)
+    return FlexDecode(rows, len(context_lens), mask)
 
 
 def build_flex_chunk(row_start: int, num_tokens: int, start_pos: int, block_ids: Sequence[int],
@@ -137,14 +169,9 @@ def build_flex_chunk(row_start: int, num_tokens: int, start_pos: int, block_ids:
     for j in range(q_blocks):
         full_idx[0, 0, j, : n_full[j]] = table[: n_full[j]]
         part_idx[0, 0, j, : n_seen[j] - n_full[j]] = table[n_full[j] : n_seen[j]]
-    mask_mod = _paged_mask_mod(table[None, :], np.array([len(table)]), np.array([start_pos]), cache)
-    mask = BlockMask.from_kv_blocks(
-        _tensor((n_seen - n_full).astype(np.int32).reshape(1, 1, -1), device), _kv_index(part_idx, cache),
-        _tensor(n_full.astype(np.int32).reshape(1, 1, -1), device), _kv_index(full_idx, cache),
-        BLOCK_SIZE=(Q_BLOCK, bs), mask_mod=mask_mod, seq_lengths=(num_tokens, cache.shape.num_blocks * bs),
-        compute_q_blocks=False,
-    )
-    return FlexChunk(row_start, row_start + num_tokens, mask)
+    tensors = paged_mask_tensors(table[None, :], np.array([len(table)]), np.array([start_pos]),
+                                 (n_seen - n_full).reshape(1, 1, -1), part_idx, n_full.reshape(1, 1, -1), full_idx, cache)
+    return FlexChunk(row_start, row_start + num_tokens, paged_block_mask(tensors, num_tokens, cache))
 
 
 def flex_decode_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, group: FlexDecode,

@@ -1,0 +1,91 @@
+"""Decode-graph buckets and padding (cllm/backends/torch/cuda_graphs.py), on CPU without capture.
+
+The captured CUDA graphs replay exactly the step run here over the same static
+buffers; what CPU can check is the part that decides correctness: bucket choice,
+padding rows confined to the scratch block, and real rows unchanged by padding
+(up to the GEMM kernel picked for a larger batch: float rounding, ATOL).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from cllm.backends.torch.attention import SeqChunk, build_attention_batch
+from cllm.backends.torch.backend import TorchBackend
+from cllm.backends.torch.cuda_graphs import DecodeGraphs, bucket_for, graph_buckets, pad_decode
+from cllm.config import load_config
+
+ATOL = 1e-5
+BLOCK = 4
+
+
+def test_buckets_cover_every_batch_size_with_little_padding():
+    assert graph_buckets(256)[:6] == [1, 2, 4, 8, 16, 24] and graph_buckets(256)[-1] == 256
+    assert graph_buckets(20) == [1, 2, 4, 8, 16, 20] and graph_buckets(1) == [1] and graph_buckets(3) == [1, 2, 3]
+    buckets = graph_buckets(64)
+    for n in range(1, 65):
+        b = bucket_for(n, buckets)
+        assert b is not None and n <= b and (b - n < 8 or n <= 4) and b in buckets
+    assert bucket_for(65, buckets) is None  # larger steps run eagerly
+
+
+def test_pad_decode_adds_scratch_rows_and_refuses_prefill_chunks():
+    chunks = [SeqChunk(0, 1, 9, (3, 5, 7)), SeqChunk(1, 1, 2, (1,))]
+    ids, padded = pad_decode(np.array([11, 12]), chunks, 4, scratch_block=99)
+    assert ids.tolist() == [11, 12, 0, 0]
+    assert padded[:2] == chunks and all(p.block_ids == (99,) and p.start_pos == 0 and p.num_tokens == 1 for p in padded[2:])
+    assert [p.row_start for p in padded] == [0, 1, 2, 3]
+    with pytest.raises(ValueError, match="pure decode"):
+        pad_decode(np.array([1, 2, 3]), [SeqChunk(0, 3, 0, (1,))], 4, scratch_block=99)
+
+
+@pytest.fixture(scope="module")
+def backend(tmp_path_factory: pytest.TempPathFactory) -> TorchBackend:
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.1)
+    path = tmp_path_factory.mktemp("tiny-llama")
+    LlamaForCausalLM(cfg).eval().save_pretrained(path)
+    return TorchBackend(load_config(environ={}, backend="torch", model=str(path), dtype="float32", device="cpu",
+                                    block_size=BLOCK, n_ctx=128, n_seq_max=8, n_threads=1, attention="flex"))
+
+
+def test_padding_rows_leave_real_rows_and_their_kv_unchanged(backend: TorchBackend) -> None:
+    rng = np.random.default_rng(0)
+    prompts = {"a": 7, "b": 12, "c": 3}
+    for seq, n in prompts.items():
+        tokens = rng.integers(0, 300, size=n).tolist()
+        assert backend.admit(seq, tokens) is not None
+        backend.forward_batch(tokens, list(range(n)), [seq] * n)
+    for seq, n in prompts.items():
+        assert backend.reserve(seq, n + 1)
+    ids = rng.integers(0, 300, size=3)
+    chunks = [SeqChunk(i, 1, n, backend.blocks.sequence(seq).block_ids) for i, (seq, n) in enumerate(prompts.items())]
+    scratch = backend._scratch_block
+    real_blocks = [b for c in chunks for b in c.block_ids]
+    assert scratch not in real_blocks and scratch == backend.blocks.num_blocks  # no sequence can own it
+    with torch.inference_mode():
+        batch = build_attention_batch(chunks, backend.kv, q_per_kv=2, mode="flex", flex_fn=backend._flex_fn)
+        eager = backend.model(torch.from_numpy(ids), torch.tensor(list(prompts.values())), backend.kv,
+                              batch, torch.arange(3))
+        kv_before = backend.kv.k.clone(), backend.kv.v.clone()
+        graphs = DecodeGraphs(backend.model, backend.kv, buckets=graph_buckets(8), scratch_block=scratch,
+                              flex_fn=backend._flex_fn, capture=False)
+        padded = graphs.run(ids, chunks)  # bucket 4: one padding row
+        np.testing.assert_allclose(padded.numpy(), eager.numpy(), atol=ATOL, rtol=0)
+        again = graphs.run(ids, chunks)  # the bucket's buffers are reused
+        np.testing.assert_allclose(again.numpy(), padded.numpy(), atol=0, rtol=0)
+        # six rows (each sequence twice, writing the same K/V to the same slots) -> bucket 8, two pads
+        twice = chunks + [SeqChunk(3 + i, 1, c.start_pos, c.block_ids) for i, c in enumerate(chunks)]
+        more = graphs.run(np.concatenate([ids, ids]), twice)
+        np.testing.assert_allclose(more[:3].numpy(), eager.numpy(), atol=ATOL, rtol=0)
+    # Padding wrote only the scratch block: every other block's K/V is as the eager step left it.
+    for before, after in zip(kv_before, (backend.kv.k, backend.kv.v)):
+        keep = torch.ones(before.shape[2], dtype=torch.bool)
+        keep[scratch] = False
+        np.testing.assert_allclose(after[:, :, keep].numpy(), before[:, :, keep].numpy(), atol=ATOL, rtol=0)
+    assert len(graphs._by_size) == 2 and all(b.graph is None for b in graphs._by_size.values())
