@@ -27,8 +27,9 @@ def fuzz_server() -> Iterator[ServerProcess]:
 
 @pytest.fixture(scope="session")
 def flood_server() -> Iterator[ServerProcess]:
-    """A 16-place waiting queue (no per-client cap: the flood comes from one address)."""
+    """A 16-place waiting queue (no per-client cap: the flood comes from one address; the connection cap
+    above the flood, so it meets the queue bound)."""
     srv = start_server("--n-seq-max", "8", "--n-ctx", "16384", "--max-waiting", "16", "--log-level", "warning",
-                       "--set", "max_sequences_per_client=null")
+                       "--set", "max_sequences_per_client=null", "--set", "max_connections=4096")
     yield srv
     finish_server(srv)
