@@ -64,6 +64,7 @@ class TorchConfig(_Section):
     block_size: int = Field(16, ge=1, le=1024, description="tokens per paged KV block")
     torch_compile: bool = Field(False, description="wrap the model forward in torch.compile")
     attention: Literal["auto", "sdpa", "flex", "flash"] = Field("auto", description="attention kernel: auto = flash (flash_attn installed, block_size % 256 == 0) else flex on CUDA, sdpa on CPU; flex = FlexAttention over the paged pool (compiled on CUDA, and on CPU with torch_compile); sdpa = gathered blocks + SDPA/matmul")
+    sampler: Literal["auto", "torch", "numpy"] = Field("auto", description="where the torch backend's logits are sampled: torch = on the device (only chosen ids and asked-for logprobs reach the host), numpy = copied to the host; auto = torch on CUDA, numpy on CPU")
     cuda_graphs: bool = Field(True, description="CUDA: capture pure decode steps as CUDA graphs, one per batch-size bucket (1, 2, 4, then multiples of 8), padded up; needs attention flex; ignored on CPU")
     cuda_graph_max_batch: int = Field(256, ge=1, le=4096, description="CUDA: largest captured decode batch (capped at the sequence cap); larger steps run eagerly")
     gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0, description="CUDA: share of the device's memory cllm may use (weights + activations + KV); the KV pool gets what is left of it after the weights load, as vLLM (n_ctx then only caps max_model_len)")

@@ -149,7 +149,10 @@ class Backend(ABC):
             order of first appearance. A sequence whose prefill chunk is not
             its last needs none.
 
-        Returns a float32 array of shape ``(len(logits_for), vocab_size)``.
+        Returns a float32 array of shape ``(len(logits_for), vocab_size)``: a numpy
+        array, or a torch tensor left on the backend's device when the backend
+        samples there (the engine then uses the torch sampler; see
+        cllm/sampling/dispatch.py).
         Raises BackendError naming the sequences that failed.
         """
 

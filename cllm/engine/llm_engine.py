@@ -25,7 +25,8 @@ from cllm.handoff.snapshot import RequestSnapshot
 from cllm.outputs import RequestOutput
 from cllm.request import Request, RequestStatus
 from cllm.sampling.params import SamplingParams
-from cllm.sampling.sampler import SamplingRow, sample
+from cllm.sampling.dispatch import sample_logits, stack_rows
+from cllm.sampling.sampler import SamplingRow
 from cllm.scheduler.output import ScheduledChunk, SchedulerOutput
 from cllm.scheduler.scheduler import Scheduler
 from cllm.structured import StructuredOutputs
@@ -248,15 +249,14 @@ class LLMEngine:
             if c.sample:
                 rows.append(logits[0])
                 reqs.append(c.request)
-        vocab = self.tokenizer.vocab_size
-        return (np.stack(rows) if rows else np.empty((0, vocab), dtype=np.float32)), reqs
+        return stack_rows(rows, self.tokenizer.vocab_size), reqs
 
     def _sample_and_update(self, out: SchedulerOutput, reqs: list[Request], logits: np.ndarray,
                            touched: dict[str, RequestGroup], mask: PendingMask | None = None) -> None:
         self.structured.apply(logits, [r.request_id for r in reqs], mask)
         rows = [SamplingRow(r.params, self._rngs[r.request_id], r.prompt_token_ids, r.output_token_ids,
                             r.eos_token_ids | frozenset(r.params.stop_token_ids)) for r in reqs]
-        sampled = sample(logits, rows) if reqs else []
+        sampled = sample_logits(logits, rows) if reqs else []
         by_id = {r.request_id: s for r, s in zip(reqs, sampled)}
         now = time.monotonic()
         for req in self.scheduler.update_from_output(out, {k: s.token_id for k, s in by_id.items()}):

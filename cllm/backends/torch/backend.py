@@ -81,6 +81,8 @@ class TorchBackend(Backend):
             max_num_seqs=max_seqs, max_batch_tokens=max_tokens, max_model_len=max_len, kv_tokens=num_blocks * block_size,
         )
         self._graphs = self._decode_graphs(config, max_seqs)
+        # Logits stay on the device (torch sampler) or come to the host (numpy sampler).
+        self._device_sampling = config.torch.sampler == "torch" or (config.torch.sampler == "auto" and self.device.type == "cuda")
 
     def _decode_graphs(self, config: CllmConfig, max_seqs: int) -> DecodeGraphs | None:
         """Captured decode graphs: CUDA with FlexAttention and cuda_graphs on; None elsewhere."""
@@ -215,7 +217,7 @@ class TorchBackend(Backend):
                 raise KVCacheFullError(f"KV cache full: no block free for sequence {c.seq_id!r}", [c.seq_id])
 
     @torch.inference_mode()
-    def _run(self, ids: np.ndarray, pos: np.ndarray, chunks: list[StepChunk], rows: list[int]) -> np.ndarray:
+    def _run(self, ids: np.ndarray, pos: np.ndarray, chunks: list[StepChunk], rows: list[int]) -> np.ndarray | torch.Tensor:
         seq_chunks = [
             SeqChunk(c.row_start, c.row_end - c.row_start, c.start_pos, self.blocks.sequence(c.seq_id).block_ids)
             for c in chunks
@@ -223,7 +225,7 @@ class TorchBackend(Backend):
         if self._graphs is not None and len(chunks) == len(ids):  # a pure decode step: replay a graph
             logits = self._graphs.run(ids, seq_chunks)
             if logits is not None:  # rows in chunk order; row_start == chunk index here
-                return logits.index_select(0, self._to_device(np.asarray(rows, dtype=np.int64))).cpu().numpy()
+                return self._out(logits.index_select(0, self._to_device(np.asarray(rows, dtype=np.int64))))
         batch = build_attention_batch(
             seq_chunks, self.kv, q_per_kv=self.spec.num_heads // self.spec.num_kv_heads, mode=self._attention,
             flex_fn=self._flex_fn,
@@ -231,7 +233,14 @@ class TorchBackend(Backend):
         logits = self.model(
             self._to_device(ids), self._to_device(pos), self.kv, batch, self._to_device(np.asarray(rows, dtype=np.int64))
         )
-        return logits.cpu().numpy()
+        return self._out(logits)
+
+    def _out(self, logits: torch.Tensor) -> np.ndarray | torch.Tensor:
+        """The step's logits for the engine: left on the device for the torch sampler, else a numpy copy."""
+        if not self._device_sampling:
+            return logits.cpu().numpy()
+        with torch.inference_mode(False):  # a normal tensor: the grammar mask and sampler edit it in place
+            return logits.clone()
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(array).to(self.device)
