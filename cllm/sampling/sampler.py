@@ -19,6 +19,9 @@ from cllm.sampling.params import SamplingParams
 # A nucleus is found among the top NUCLEUS_CANDIDATES tokens when they hold the
 # needed mass (almost always), avoiding a full-vocabulary sort per row.
 NUCLEUS_CANDIDATES = 256
+# Strided groups whose maxima bound a row's k-th largest logit (top_candidates); 2048 groups
+# keep the bound within a few times k of the truth for real vocabularies (32k-256k).
+CANDIDATE_GROUPS = 2048
 
 
 @dataclass(slots=True)
@@ -56,7 +59,9 @@ def sample(logits: np.ndarray, rows: Sequence[SamplingRow]) -> list[SampledToken
     if greedy.any():
         chosen[greedy] = logits[greedy].argmax(axis=1)
     stochastic = np.flatnonzero(~greedy)
-    if len(stochastic):
+    if len(stochastic) == len(rows):  # no fancy-index copy of the whole batch's logits
+        chosen[:] = _draw(logits, rows)
+    elif len(stochastic):
         chosen[stochastic] = _draw(logits[stochastic], [rows[i] for i in stochastic])
     return _results(chosen, rows, logprob_rows, logprobs)
 
@@ -67,9 +72,9 @@ def _apply_biases_and_penalties(logits: np.ndarray, rows: Sequence[SamplingRow])
         if p.logit_bias:
             ids = np.fromiter(p.logit_bias.keys(), dtype=np.int64)
             logits[i, ids] += np.fromiter(p.logit_bias.values(), dtype=np.float32)
-        if p.has_penalties:
-            _apply_penalties(logits[i], p, row.prompt_token_ids, row.output_token_ids)
-        if len(row.output_token_ids) < p.min_tokens and row.stop_ids:
+    _apply_penalties(logits, rows)
+    for i, row in enumerate(rows):
+        if len(row.output_token_ids) < row.params.min_tokens and row.stop_ids:
             _suppress_stop(logits[i], list(row.stop_ids))
 
 
@@ -81,14 +86,27 @@ def _suppress_stop(row: np.ndarray, stop_ids: list[int]) -> None:
         row[stop_ids] = saved
 
 
-def _apply_penalties(row: np.ndarray, p: SamplingParams, prompt: Sequence[int], output: Sequence[int]) -> None:
-    if p.repetition_penalty != 1.0:
-        seen = np.unique(np.asarray(list(prompt) + list(output), dtype=np.int64))
-        vals = row[seen]
-        row[seen] = np.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
-    if output and (p.presence_penalty or p.frequency_penalty):
-        ids, counts = np.unique(np.asarray(output, dtype=np.int64), return_counts=True)
-        row[ids] -= p.frequency_penalty * counts + p.presence_penalty
+def _apply_penalties(logits: np.ndarray, rows: Sequence[SamplingRow]) -> None:
+    """Repetition, presence and frequency penalties for the whole batch in two vectorised passes:
+    (row, token) pairs are keyed row * vocab + token, so one np.unique serves every row."""
+    vocab = logits.shape[1]
+    seen = [i * vocab + np.asarray(seq, dtype=np.int64) for i, r in enumerate(rows) if r.params.repetition_penalty != 1.0
+            for seq in (r.prompt_token_ids, r.output_token_ids) if len(seq)]
+    if seen:
+        keys = np.unique(np.concatenate(seen))
+        r, t = np.divmod(keys, vocab)
+        penalty = np.array([r_.params.repetition_penalty for r_ in rows], dtype=np.float32)[r]
+        vals = logits[r, t]
+        logits[r, t] = np.where(vals > 0, vals / penalty, vals * penalty)
+    additive = [i for i, r in enumerate(rows)
+                if len(r.output_token_ids) and (r.params.presence_penalty or r.params.frequency_penalty)]
+    if additive:
+        keys, counts = np.unique(np.concatenate([
+            i * vocab + np.asarray(rows[i].output_token_ids, dtype=np.int64) for i in additive]), return_counts=True)
+        r, t = np.divmod(keys, vocab)
+        freq = np.array([r_.params.frequency_penalty for r_ in rows], dtype=np.float32)[r]
+        presence = np.array([r_.params.presence_penalty for r_ in rows], dtype=np.float32)[r]
+        logits[r, t] -= freq * counts + presence
 
 
 def _log_softmax(x: np.ndarray) -> np.ndarray:
@@ -98,6 +116,110 @@ def _log_softmax(x: np.ndarray) -> np.ndarray:
 
 
 def _draw(logits: np.ndarray, rows: Sequence[SamplingRow]) -> np.ndarray:
+    """One token per row. Rows that truncate (top_k, top_p, min_p) are drawn from their top
+    candidates only (no full-vocabulary softmax, sort or cumsum); the rest, and any row whose
+    candidates turn out too few, take the full-distribution path."""
+    vocab = logits.shape[1]
+    chosen = np.empty(len(rows), dtype=np.int64)
+    full: list[int] = []
+    groups: dict[int, list[int]] = {}
+    for i, row in enumerate(rows):
+        groups.setdefault(_num_candidates(row.params, vocab), []).append(i)
+    for k, members in groups.items():
+        if k == 0:
+            full += members
+            continue
+        sub = logits if len(members) == len(rows) else logits[members]
+        for i, ids in zip(members, top_candidates(sub, k)):
+            token = _draw_from_candidates(logits[i], ids, rows[i], vocab)
+            if token is None:
+                full.append(i)
+            else:
+                chosen[i] = token
+    if full:
+        full.sort()
+        chosen[full] = _draw_full(logits[full], [rows[i] for i in full])
+    return chosen
+
+
+def _num_candidates(p: SamplingParams, vocab: int) -> int:
+    """How many top tokens a row can be drawn from; 0 = it needs the whole distribution."""
+    if p.top_k and p.top_k < vocab:
+        return p.top_k
+    if p.top_p < 1.0 or p.min_p > 0:
+        return min(NUCLEUS_CANDIDATES, vocab)
+    return 0
+
+
+def top_candidates(logits: np.ndarray, k: int) -> list[np.ndarray]:
+    """Per row, the ids of its k largest logits, largest first, ties by lower id (so a row's
+    candidates never depend on its batch-mates).
+
+    A lower bound on each row's k-th largest value comes from a cheap elementwise max over
+    strided groups (at least k groups reach their max, so at least k values lie above it);
+    only the few values above it are sorted.
+    """
+    bounds = _kth_lower_bounds(logits, k)
+    out = []
+    for i, row in enumerate(logits):
+        ids = np.flatnonzero(row >= bounds[i]) if bounds is not None else np.argpartition(row, -k)[-k:]
+        if bounds is None:  # argpartition picks arbitrarily among ties: add every tie of the k-th value
+            ids = np.flatnonzero(row >= row[ids].min())
+        order = np.lexsort((ids, -row[ids]))[:k]
+        out.append(ids[order])
+    return out
+
+
+def _kth_lower_bounds(logits: np.ndarray, k: int) -> np.ndarray | None:
+    """For each row, a value with at least k of the row's logits >= it; None when the vocabulary
+    is too small for groups to pay off."""
+    n, vocab = logits.shape
+    groups = max(CANDIDATE_GROUPS, 2 * k)
+    if vocab < 4 * groups:
+        return None
+    logits = np.ascontiguousarray(logits)
+    per_group = vocab // groups
+    size = logits.itemsize
+    # (row, member, group) view: group g of a row holds columns g, g + groups, ...; its max over
+    # members is one elementwise pass over contiguous memory (the tail beyond groups*per_group
+    # is left out, which only lowers the bound's need: those values are still candidates).
+    view = np.lib.stride_tricks.as_strided(logits, (n, per_group, groups), (logits.strides[0], groups * size, size))
+    group_max = view.max(axis=1)
+    return np.partition(group_max, groups - k, axis=1)[:, groups - k]
+
+
+def _draw_from_candidates(row_logits: np.ndarray, ids: np.ndarray, row: SamplingRow, vocab: int) -> int | None:
+    """min_p -> top_k -> top_p over the row's top candidates, then the inverse-CDF draw (largest
+    first); None (and no random number used) when the candidates cannot hold the answer."""
+    p = row.params
+    weights = np.exp((row_logits[ids].astype(np.float64) - float(row_logits[ids[0]])) / p.temperature)
+    complete = bool(p.top_k and p.top_k < vocab) or len(ids) >= vocab  # every kept token is a candidate
+    if p.min_p > 0:
+        above = int(np.count_nonzero(weights >= p.min_p))  # weights are p / p(max)
+        if above == len(weights) and not complete:
+            return None  # more tokens may pass min_p beyond the candidates
+        weights, complete = weights[:above], True
+    if p.top_p < 1.0:
+        total = float(weights.sum()) if complete else _partition_sum(row_logits, p.temperature)
+        cum = np.cumsum(weights)
+        if cum[-1] < p.top_p * total:
+            return None  # a very flat distribution: the nucleus reaches beyond the candidates
+        weights = weights[: int(np.searchsorted(cum, p.top_p * total)) + 1]
+    cum = np.cumsum(weights)
+    picked = int(np.count_nonzero(cum < row.rng.random() * cum[-1]))
+    return int(ids[min(picked, len(ids) - 1)])
+
+
+def _partition_sum(row_logits: np.ndarray, temperature: float) -> float:
+    """sum(exp((logits - max) / T)) over the whole vocabulary: the softmax denominator relative
+    to the top token's weight of 1."""
+    z = (row_logits - row_logits.max()) / np.float32(temperature)
+    np.exp(z, out=z)
+    return float(z.sum(dtype=np.float64))
+
+
+def _draw_full(logits: np.ndarray, rows: Sequence[SamplingRow]) -> np.ndarray:
+    """Inverse-CDF draw over the whole vocabulary, in id order (rows without truncation)."""
     temps = np.array([r.params.temperature for r in rows], dtype=np.float32)[:, None]
     scaled = logits / temps
     scaled -= scaled.max(axis=1, keepdims=True)

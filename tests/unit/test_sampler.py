@@ -86,3 +86,68 @@ def test_logprobs_are_normalised_and_top_sorted():
 def test_invalid_params_name_the_parameter(kwargs, name):
     with pytest.raises(ValueError, match=name):
         SamplingParams(**kwargs)
+
+
+# ---- the top-candidates path (issue 8: no full-vocabulary passes per row) --------------------
+
+def _reference_top(row_logits: np.ndarray, k: int) -> list[int]:
+    """Brute force: ids by value descending, ties by lower id."""
+    return [int(i) for i in np.lexsort((np.arange(len(row_logits)), -row_logits))[:k]]
+
+
+@pytest.mark.parametrize("vocab, k", [(49_152, 50), (49_152, 256), (128_256, 1), (300, 20)])
+def test_top_candidates_are_the_exact_top_k_with_ties_by_id(vocab, k):
+    from cllm.sampling.sampler import top_candidates
+
+    rng = np.random.default_rng(vocab + k)
+    logits = rng.normal(size=(5, vocab)).astype(np.float32)
+    logits[1, :400] = 9.0  # a tie wider than k at the top: lower ids win
+    logits[2, ::97] = 5.0  # ties spread over the strided groups
+    for i, ids in enumerate(top_candidates(logits, k)):
+        assert ids.tolist() == _reference_top(logits[i], k)
+
+
+def test_candidate_draws_follow_the_truncated_distribution_on_a_large_vocabulary():
+    vocab = 10_000  # above 4 x CANDIDATE_GROUPS: the strided-group bound is used
+    logits = np.full(vocab, -30.0, dtype=np.float32)
+    logits[[17, 4000, 9_999]] = np.log([0.5, 0.3, 0.2])
+    tokens = draw_many(logits, SamplingParams(temperature=1.0, top_k=2), n=2000)
+    freq = np.bincount(tokens, minlength=vocab)[[17, 4000, 9_999]] / len(tokens)
+    assert np.allclose(freq, [0.5 / 0.8, 0.3 / 0.8, 0.0], atol=0.04)
+    assert set(draw_many(logits, SamplingParams(temperature=1.0, top_p=0.75), n=1000)) == {17, 4000}
+    assert set(draw_many(logits, SamplingParams(temperature=1.0, min_p=0.5), n=1000)) == {17, 4000}
+
+
+def test_flat_distribution_falls_back_to_the_whole_vocabulary():
+    # 1000 equally likely tokens: top_p=0.9 needs 900 of them, more than the 256 candidates;
+    # min_p=0.5 keeps all 1000. Both must still draw from the right set.
+    vocab = 10_000
+    logits = np.full(vocab, -50.0, dtype=np.float32)
+    logits[5000:6000] = 0.0
+    top_p = draw_many(logits, SamplingParams(temperature=1.0, top_p=0.9), n=2000)
+    assert top_p.min() >= 5000 and top_p.max() < 6000 and len(set(top_p.tolist())) > 700
+    min_p = draw_many(logits, SamplingParams(temperature=1.0, min_p=0.5), n=2000)
+    assert min_p.min() >= 5000 and min_p.max() < 6000 and min_p.max() > 5950
+
+
+def test_batched_penalties_equal_one_row_at_a_time():
+    rng = np.random.default_rng(3)
+    logits = rng.normal(size=(4, 1000)).astype(np.float32)
+    params = [SamplingParams(temperature=0, repetition_penalty=1.3, presence_penalty=0.4, frequency_penalty=0.2),
+              SamplingParams(temperature=0), SamplingParams(temperature=0, frequency_penalty=-0.5),
+              SamplingParams(temperature=0, repetition_penalty=0.7)]
+    rows = [row(p, i, output=rng.integers(0, 1000, 30).tolist(), prompt=rng.integers(0, 1000, 20).tolist())
+            for i, p in enumerate(params)]
+    expected = logits.copy()
+    for i, r in enumerate(rows):
+        p = r.params
+        seen = np.unique(np.array(r.prompt_token_ids + r.output_token_ids))
+        vals = expected[i, seen]
+        expected[i, seen] = np.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+        ids, counts = np.unique(np.array(r.output_token_ids), return_counts=True)
+        expected[i, ids] -= p.frequency_penalty * counts + p.presence_penalty
+    from cllm.sampling.sampler import _apply_penalties
+
+    got = logits.copy()
+    _apply_penalties(got, rows)
+    assert np.allclose(got, expected, atol=1e-6)
