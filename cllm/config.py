@@ -30,7 +30,7 @@ class ModelConfig(_Section):
     backend: str = Field("llama_cpp", description="registered backend name (see `cllm backends`)")
     n_ctx: int = Field(16384, ge=64, le=1 << 22, description="KV cache size in tokens for all sequences together; llama_cpp gives each sequence n_ctx/n_seq_max of it (unless kv_unified); capped by the model's trained context")
     n_seq_max: int = Field(8, ge=1, le=256, description="sequences that can hold KV at once (llama.cpp seq_id pool size)")
-    n_threads: int | None = Field(None, ge=1, le=1024, description="CPU threads; None = all cores")
+    n_threads: int | None = Field(None, ge=1, le=1024, description="CPU threads for inference; None = chosen at run time: llama_cpp uses one per physical core this process may run on (SMT siblings once, as llama.cpp's own default), torch all usable cores")
     n_batch: int = Field(512, ge=1, le=1 << 16, description="most tokens evaluated in one forward call")
     seed: int = Field(0, description="default sampling seed for requests that give none")
 

@@ -20,7 +20,6 @@ Design decisions a reader would otherwise rediscover:
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Sequence
 
 import numpy as np
@@ -29,6 +28,7 @@ from cllm.backends.base import Admission, Backend, BackendCapacity, BackendError
 from cllm.backends.llama_cpp.native import LlamaBatchBuffer, LlamaContextHandle, LlamaModelHandle
 from cllm.backends.llama_cpp.offload import kv_cache_type, resolve_gpu_layers
 from cllm.backends.llama_cpp.slot_pool import SeqSlotPool, Slot
+from cllm.backends.llama_cpp.threads import default_n_threads
 from cllm.backends.llama_cpp.tokenizer import LlamaCppTokenizer
 from cllm.config import CllmConfig
 from cllm.model_path import resolve_model_path
@@ -55,7 +55,7 @@ class LlamaCppBackend(Backend):
         self._model = LlamaModelHandle(path=path, n_gpu_layers=self.n_gpu_layers)
         self._ctx = LlamaContextHandle(
             model=self._model, n_ctx=m.n_ctx, n_batch=m.n_batch, n_ubatch=lc.n_ubatch,
-            n_seq_max=m.n_seq_max, n_threads=m.n_threads or os.cpu_count() or 1, flash_attn=lc.flash_attn, kv_unified=lc.kv_unified,
+            n_seq_max=m.n_seq_max, n_threads=m.n_threads or default_n_threads(), flash_attn=lc.flash_attn, kv_unified=lc.kv_unified,
             type_k=kv_cache_type(lc.type_k), type_v=kv_cache_type(lc.type_v), offload_kqv=lc.offload_kqv,
         )
         self._batch = LlamaBatchBuffer(capacity=m.n_batch)
