@@ -37,8 +37,9 @@ def test_one_event_loop_wake_up_per_step_for_all_streams():
 
     calls, steps, results = asyncio.run(main())
     assert all(len(r) == 10 for r in results)
-    # 8 streams x 10 tokens: per-request delivery would take >= 80 wake-ups; per-step takes one a step.
-    assert calls <= steps + 2, (calls, steps)
+    # 8 streams x 10 tokens: per-request delivery would take >= 80 wake-ups; per-step takes one a
+    # step (plus one per request and for shutdown, from asyncio.to_thread work done off the loop).
+    assert calls <= steps + len(results) + 3, (calls, steps)
 
 
 def test_physical_cores_counts_smt_siblings_once(tmp_path):
