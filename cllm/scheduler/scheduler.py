@@ -105,21 +105,32 @@ class Scheduler:
             out.finished.append(req)
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        """Decodes first, in policy order, then the chunks of prompts still being prefilled (a
+        long prompt, a recompute after preemption). A prefill of any rank thus never takes the
+        budget running decodes need: a decode waits at most one step, whose prefill part the token
+        budget bounds (issue 8: a high-priority or recomputing prefill used to skip every decode
+        ranked after it for as many steps as its prompt had chunks)."""
         self.running.sort(key=self.waiting.sort_key)
-        i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if not self._reserve_or_preempt(req, req.num_computed_tokens + n, out):
-                break  # req itself was preempted: everyone after it already was
-            out.chunks.append(self._chunk(req, n))
-            budget -= n
-            i += 1
-        return budget
+        decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+        prefilling = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        for group in (decoding, prefilling):
+            for req in group:
+                budget = self.token_budget - out.num_tokens
+                if budget <= 0:
+                    return 0
+                if req.status is not RequestStatus.RUNNING:
+                    continue  # preempted as a victim earlier this step
+                n = min(req.num_tokens - req.num_computed_tokens, budget)
+                if not self._reserve_or_preempt(req, req.num_computed_tokens + n, out):
+                    break  # req itself was preempted: the rest of its group, ranked lower, already was
+                out.chunks.append(self._chunk(req, n))
+        return self.token_budget - out.num_tokens
 
     def _reserve_or_preempt(self, req: Request, num_tokens: int, out: SchedulerOutput) -> bool:
         while not self.backend.reserve(req.request_id, num_tokens):
             victim = self.running[-1]
+            # A lower-ranked decode may already be in this step's batch: take its chunk out.
+            out.chunks = [c for c in out.chunks if c.request is not victim]
             self._preempt(victim)
             out.preempted.append(victim)
             if victim is req:

@@ -230,3 +230,34 @@ def test_refused_head_is_retried_with_a_smaller_first_chunk():
     assert sched._refused_before(head, 64) and not sched._refused_before(head, 8)
     sched._release_epoch += 1
     assert not sched._refused_before(head, 64)
+
+
+def test_decodes_run_every_step_under_priority_while_a_higher_priority_prompt_prefills():
+    # Issue 8: with the priority policy a long high-priority prompt sorted first and took the whole
+    # budget, so lower-priority decodes were skipped for every step of its prefill.
+    engine, backend = make_engine(FakeBackend(max_batch_tokens=8), policy="priority")
+    engine.add_request([1], SamplingParams(max_tokens=10, temperature=0), request_id="dec", priority=5)
+    engine.step()
+    engine.add_request(list(range(40)), GREEDY, request_id="long", priority=0)
+    for _ in range(5):
+        engine.step()
+    later = backend.batches[1:6]
+    assert all("dec" in seqs for _, _, seqs in later)
+    assert all(len(ids) <= 8 for ids, _, _ in later)
+    assert sum(seqs.count("long") for _, _, seqs in later) == 7 + 4 * 7  # the prefill still advances
+    final = run_all(engine)
+    assert final["long"].outputs[0].token_ids == [40, 41, 42, 43, 44]
+
+
+def test_recompute_prefill_does_not_starve_decodes_under_fcfs():
+    # A preempted request comes back ahead of newer ones in FCFS order (it keeps its arrival number)
+    # with all its tokens to recompute; the newer request's decode must still run in every step.
+    engine, backend = make_engine(FakeBackend(max_batch_tokens=8))
+    engine.add_request([1], SamplingParams(max_tokens=10, temperature=0), request_id="new")
+    engine.step()
+    engine.add_request(list(range(40)), GREEDY, request_id="old")
+    engine.scheduler.requests["old"].arrival_seq = 0  # as a preempted older request resuming
+    for _ in range(5):
+        engine.step()
+    assert all("new" in seqs for _, _, seqs in backend.batches[1:6])
+    assert run_all(engine)["old"].outputs[0].token_ids == [40, 41, 42, 43, 44]
