@@ -66,6 +66,8 @@ class AsyncLLM:
         self._close_lock = threading.Lock()
         self._loop_done = False  # the engine thread has left its loop (under _close_lock)
         self._close_pending = False  # shutdown asked the engine thread to free the engine on exit
+        # (stats, running requests) published by the engine thread after every step and command
+        self._snapshot: tuple[EngineStats, list[RunningRequestInfo]] | None = None
 
     # ------------------------------------------------------------------ info
     @property
@@ -94,12 +96,25 @@ class AsyncLLM:
         return self.engine.tokenize_chat(messages, add_generation_prompt, tools)
 
     def stats(self) -> EngineStats:
+        """The engine's stats as of its latest step; never waits for a running step (``/metrics`` and
+        ``/v1/engine`` call this from the event loop, which a step-long lock wait would stall)."""
+        snapshot = self._snapshot
+        if snapshot is not None and self.is_running:
+            return snapshot[0]
         with self._state_lock:
             return self.engine.stats()
 
     def running_requests(self) -> list[RunningRequestInfo]:
+        """Running and waiting requests as of the engine's latest step (see ``stats``)."""
+        snapshot = self._snapshot
+        if snapshot is not None and self.is_running:
+            return snapshot[1]
         with self._state_lock:
             return self.engine.running_requests()
+
+    def _publish(self) -> None:
+        """Engine thread, under the state lock: the snapshot stats() and running_requests() read."""
+        self._snapshot = (self.engine.stats(), self.engine.running_requests())
 
     # ------------------------------------------------------------- the loop
     def start(self) -> None:
@@ -118,6 +133,7 @@ class AsyncLLM:
                     continue
                 with self._state_lock:
                     outputs = self.engine.step()
+                    self._publish()
                 self._deliver_step(outputs)
         except BaseException as err:  # a bug or a fatal backend error: fail every stream loudly
             log.exception("engine loop died")
@@ -141,6 +157,7 @@ class AsyncLLM:
                 return
             with self._state_lock:
                 command()
+                self._publish()
 
     def _submit(self, command: Callable[[], None]) -> None:
         self._inbox.put(command)

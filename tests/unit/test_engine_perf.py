@@ -54,3 +54,41 @@ def test_physical_cores_counts_smt_siblings_once(tmp_path):
 
 def test_default_n_threads_never_exceeds_the_usable_cpus():
     assert 1 <= default_n_threads() <= len(usable_cpus())
+
+
+class _SlowBackend(FakeBackend):
+    """Each forward takes a while, as a big llama_decode does."""
+
+    def forward_batch(self, flat_ids, positions, sequence_ids, *, logits_for=None):
+        import time
+
+        time.sleep(0.4)
+        return super().forward_batch(flat_ids, positions, sequence_ids, logits_for=logits_for)
+
+
+def test_stats_and_running_requests_do_not_wait_for_a_running_step():
+    import time
+
+    async def main() -> tuple[float, float, int, int]:
+        engine = cllm.AsyncLLM(backend=_SlowBackend(slots=2), config=fake_config())
+
+        async def one() -> None:
+            async for _ in engine.generate([1, 2], cllm.SamplingParams(max_tokens=4, temperature=0)):
+                pass
+        task = asyncio.ensure_future(one())
+        await asyncio.sleep(0.6)  # the first step has run; a later one is in its forward now
+        start = time.perf_counter()
+        stats = engine.stats()
+        stats_s = time.perf_counter() - start
+        start = time.perf_counter()
+        running = engine.running_requests()
+        running_s = time.perf_counter() - start
+        await task
+        done = engine.stats().requests_finished.get("length", 0)
+        await engine.shutdown()
+        return stats_s, running_s, stats.num_running + len(running), done
+
+    stats_s, running_s, seen, done = asyncio.run(main())
+    assert stats_s < 0.1 and running_s < 0.1  # a lock wait would take the rest of the 0.4 s step
+    assert seen == 2  # the snapshot shows the request running
+    assert done == 1  # and the final one counts it finished
