@@ -19,9 +19,18 @@ from cllm.sampling.params import SamplingParams
 
 __version__ = "0.1.0"
 
+
+def serve_ray(*args, **kwargs):  # type: ignore[no-untyped-def]
+    """N engine replicas behind one OpenAI-compatible endpoint on Ray Serve (cllm.cluster.app.serve_ray;
+    needs the extra cllm[ray], imported only when called)."""
+    from cllm.cluster.app import serve_ray as _serve_ray
+
+    return _serve_ray(*args, **kwargs)
+
+
 __all__ = [
     "LLM", "AsyncLLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Usage", "RequestStatus",
     "CllmConfig", "load_config", "Backend", "BackendCapacity", "Tokenizer", "EngineStats",
     "backend_names", "describe_backends", "get_backend_factory",
-    "ContextLengthError", "QueueFullError", "EngineDeadError", "__version__",
+    "ContextLengthError", "QueueFullError", "EngineDeadError", "serve_ray", "__version__",
 ]

@@ -112,15 +112,24 @@ def serve(
     max_waiting: Optional[int] = typer.Option(None, "--max-waiting"),
     request_timeout_s: Optional[float] = typer.Option(None, "--request-timeout-s"),
     served_model_name: Optional[str] = typer.Option(None, "--served-model-name"),
+    replicas: Optional[int] = typer.Option(None, "--replicas", help="engine replicas on Ray Serve (needs cllm[ray])"),
+    pd: Optional[str] = typer.Option(None, "--pd", help="prefill/decode replicas on Ray Serve, e.g. prefill=1,decode=1"),
     sets: Optional[list[str]] = SetOpt,
 ) -> None:
-    """Run the OpenAI-compatible HTTP server."""
-    from cllm.server.app import run_server
-
+    """Run the OpenAI-compatible HTTP server (on Ray Serve with --replicas N > 1 or --pd)."""
     cfg = _config(config, sets, backend=backend, model=model, host=host, port=port, api_key=api_key,
                   log_level=log_level, n_ctx=n_ctx, n_seq_max=n_seq_max, n_threads=n_threads, n_batch=n_batch,
                   max_num_seqs=max_num_seqs, max_waiting=max_waiting, request_timeout_s=request_timeout_s,
-                  served_model_name=served_model_name)
+                  served_model_name=served_model_name, replicas=replicas, pd=pd)
+    if cfg.cluster.replicas > 1 or cfg.cluster.pd is not None:
+        try:
+            from cllm.cluster.app import serve_ray
+        except ImportError as err:
+            raise typer.BadParameter(f"--replicas/--pd need Ray Serve: pip install 'cllm[ray]' ({err})") from None
+        serve_ray(config=cfg)
+        return
+    from cllm.server.app import run_server
+
     run_server(cfg)
 
 

@@ -124,6 +124,40 @@ class StructuredConfig(_Section):
     tool_call_parser: Literal["auto", "hermes", "llama3_json", "mistral", "generic"] = Field("auto", description="how tool calls are read out of the model's text: auto = from the chat template (<tool_call> -> hermes, [TOOL_CALLS] -> mistral, <|python_tag|>/ipython -> llama3_json; a template that does not render tools -> generic, with the tools described in the system message)")
 
 
+class ClusterConfig(_Section):
+    """Scale-out on Ray Serve (`cllm serve --replicas N`, `cllm.serve_ray`) and KV hand-off."""
+
+    replicas: int = Field(1, ge=1, le=1024, description="engine replicas behind one endpoint; more than 1 (or pd) serves through Ray Serve (extra cllm[ray])")
+    pd: str | None = Field(None, description="prefill/decode disaggregation as 'prefill=P,decode=D': prompts are prefilled on P replicas, their KV handed to D decode replicas; None = every replica does both")
+    handoff_chunk_bytes: int = Field(1 << 20, ge=1024, le=1 << 30, description="KV hand-off chunk size in bytes (a transfer resumes from the last acknowledged chunk)")
+    route_block_tokens: int = Field(16, ge=1, le=4096, description="prefix-aware routing hashes prompts in blocks of this many tokens; a request goes to the replica holding its longest hashed prefix")
+    route_max_imbalance: int = Field(4, ge=0, le=1 << 20, description="prefix affinity is ignored when the cached replica has more than this many requests beyond the least-loaded one")
+    max_ongoing_requests: int = Field(64, ge=1, le=1 << 20, description="requests one replica takes at once (Ray Serve max_ongoing_requests); the rest queue at the router")
+    health_check_period_s: float = Field(2.0, gt=0, description="how often Ray Serve checks a replica's engine; a failed check replaces the replica")
+    ray_address: str | None = Field(None, description="Ray cluster to join ('auto', 'ray://host:10001'); None = start a local Ray instance")
+    ray_num_cpus: int | None = Field(None, ge=1, description="CPUs of a local Ray instance; None = all")
+    ray_object_store_mb: int = Field(200, ge=75, description="object store size of a local Ray instance in MB (hand-off chunks travel through it)")
+
+    @field_validator("pd")
+    @classmethod
+    def _pd_shape(cls, value: str | None) -> str | None:
+        if value is not None:
+            parse_pd(value)
+        return value
+
+
+def parse_pd(value: str) -> tuple[int, int]:
+    """'prefill=P,decode=D' -> (P, D); ValueError naming the bad value otherwise."""
+    parts = dict(p.split("=", 1) for p in value.replace(" ", "").split(",") if "=" in p)
+    try:
+        prefill, decode = int(parts["prefill"]), int(parts["decode"])
+    except (KeyError, ValueError):
+        raise ValueError(f"pd={value!r}: write it as 'prefill=P,decode=D' with replica counts, e.g. 'prefill=1,decode=1'") from None
+    if prefill < 1 or decode < 1 or set(parts) != {"prefill", "decode"}:
+        raise ValueError(f"pd={value!r}: needs prefill>=1 and decode>=1 and nothing else")
+    return prefill, decode
+
+
 class CllmConfig(_Section):
     """All settings, grouped by section as in config.yaml."""
 
@@ -133,6 +167,7 @@ class CllmConfig(_Section):
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
     server: ServerConfig = Field(default_factory=ServerConfig)
     structured: StructuredConfig = Field(default_factory=StructuredConfig)
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig)
 
     @model_validator(mode="after")
     def _check_cross_section(self) -> CllmConfig:

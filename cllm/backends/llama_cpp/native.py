@@ -59,9 +59,11 @@ def model_params(*, n_gpu_layers: int) -> C.llama_model_params:
 class LlamaModelHandle:
     """A loaded GGUF model (llama_model*) and its vocabulary."""
 
-    def __init__(self, *, path: Path, n_gpu_layers: int = 0) -> None:
+    def __init__(self, *, path: Path, n_gpu_layers: int = 0, vocab_only: bool = False) -> None:
         _init_llama_backend()
-        ptr = C.llama_model_load_from_file(str(path).encode(), model_params(n_gpu_layers=n_gpu_layers))
+        params = model_params(n_gpu_layers=n_gpu_layers)
+        params.vocab_only = vocab_only  # a tokenizer alone (a Ray ingress) needs no weights
+        ptr = C.llama_model_load_from_file(str(path).encode(), params)
         if not ptr:
             raise ValueError(f"llama.cpp could not load model file {str(path)!r} (not a valid GGUF?)")
         self.ptr = ptr

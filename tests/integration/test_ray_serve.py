@@ -1,0 +1,256 @@
+"""cllm on Ray Serve: a local Ray instance (2 CPUs, 150 MB object store), 2 engine replicas x 1 thread.
+
+Greedy references come from an in-process engine with the same settings, each on a prompt used once
+(no prefix-cache hit on either side) and alone in its batch on both sides, which is where README
+"Reproducibility" guarantees bit-identical tokens; a hand-off copies the KV byte for byte, so PD and
+a drain keep that guarantee.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import httpx
+import pytest
+import ray
+from ray import serve
+
+import cllm
+from cllm.cluster import app as cluster_app
+from cllm.cluster.stats_board import ReplicaReport, stats_board
+from cllm.cluster.transport import chunk_holder, publish, receive
+from cllm.handoff.transfer import KVReceiver
+from cllm.stress.server_process import free_port
+
+ENGINE = dict(n_threads=1, n_seq_max=2, n_ctx=2048)
+SHARED_PREFIX = ("You are a meticulous assistant for a small bakery. Answer questions about opening hours, "
+                 "bread, pastries, cakes, allergens and prices. Keep answers short and friendly, and never "
+                 "invent products the bakery does not sell. Customer question: ")
+
+
+@dataclass
+class Cluster:
+    """The local Ray instance and whichever cllm application runs on it now."""
+
+    port: int
+    url: str = ""
+    kind: str = ""  # "colocated" or "pd"
+    client: httpx.Client = field(default_factory=lambda: httpx.Client(timeout=120))
+
+    def deploy(self, kind: str, **settings: object) -> str:
+        if self.kind == kind:
+            return self.url
+        if self.kind:
+            cluster_app.stop()
+            wait_for(lambda: len(board_reports()) == 0, "old replicas to leave the stats board", 60)
+        self.url = cluster_app.serve_ray(port=self.port, blocking=False, **ENGINE, **settings)
+        self.kind = kind
+        wait_for(lambda: self.client.get(self.url + "/health").status_code == 200, "the endpoint", 120)
+        return self.url
+
+    def complete(self, prompt: str, max_tokens: int, **extra: object) -> dict:
+        body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, **extra}
+        response = self.client.post(self.url + "/v1/completions", json=body)
+        assert response.status_code == 200, response.text
+        return response.json()
+
+
+def wait_for(condition, what: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if condition():
+                return
+        except Exception:
+            pass
+        time.sleep(0.5)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def board_reports() -> list[ReplicaReport]:
+    return ray.get(stats_board().reports.remote())
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Cluster]:
+    ray.init(num_cpus=2, object_store_memory=150 * 1024 * 1024, namespace=cluster_app.NAMESPACE,
+             include_dashboard=False, log_to_driver=False)
+    c = Cluster(port=free_port())
+    try:
+        yield c
+    finally:
+        c.client.close()
+        if c.kind:
+            cluster_app.stop()
+        serve.shutdown()
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def reference() -> Iterator[cllm.LLM]:
+    with cllm.LLM(**ENGINE) as llm:
+        yield llm
+
+
+def greedy(llm: cllm.LLM, prompt: str, max_tokens: int, **extra: object) -> str:
+    params = cllm.SamplingParams(max_tokens=max_tokens, temperature=0, **extra)
+    return llm.generate([prompt], params)[0].outputs[0].text
+
+
+def test_object_store_transfer_interrupted_resumes_and_completes(cluster, reference):
+    """Chunks in the object store, owned by the holder actor; the fetch fails after 3 chunks, the
+    same receiver resumes from chunk 3, and the other engine continues the request exactly."""
+    prompt = "The oldest known recipe for bread"
+    expected = greedy(reference, prompt, 24)
+    with cllm.LLM(**ENGINE) as other:
+        reference.engine.add_request(prompt, cllm.SamplingParams(max_tokens=24, temperature=0), request_id="t")
+        for _ in range(6):
+            reference.engine.step()
+        snapshot, segments = reference.engine.export_request("t")
+        holder = chunk_holder()
+        ticket = asyncio.run(publish(snapshot, segments, 16 * 1024, holder))
+        assert ticket.header.num_chunks > 3
+        fetched = 0
+
+        async def flaky_fetch(ref):
+            nonlocal fetched
+            if fetched == 3:
+                fetched += 1
+                raise ConnectionError("link dropped")
+            fetched += 1
+            return await ref
+
+        receiver = KVReceiver(ticket.header)
+        with pytest.raises(ConnectionError):
+            asyncio.run(receive(ticket, receiver, fetch=flaky_fetch))
+        assert receiver.next_index == 3 and receiver.status.name == "TRANSFERRING"
+        moved = asyncio.run(receive(ticket, receiver, fetch=flaky_fetch))  # resumes from chunk 3
+        assert moved == segments and receiver.status.name == "DONE"
+        ray.get(holder.release.remote(ticket.header.transfer_id))
+        other.engine.import_request(snapshot, moved)
+        final = None
+        while other.engine.has_unfinished():
+            for out in other.engine.step():
+                final = out
+        assert final.outputs[0].text == expected
+
+
+def test_routes_streaming_errors_and_greedy_output(cluster, reference):
+    url = cluster.deploy("colocated", replicas=2)
+    prompt = "The three primary colors are"
+    assert cluster.complete(prompt, 24)["choices"][0]["text"] == greedy(reference, prompt, 24)
+    models = cluster.client.get(url + "/v1/models").json()
+    assert models["data"][0]["id"] == reference.engine.backend.model_path.stem
+    lines = []
+    body = {"messages": [{"role": "user", "content": "Say hi"}], "max_tokens": 8, "stream": True}
+    with cluster.client.stream("POST", url + "/v1/chat/completions", json=body) as response:
+        assert response.status_code == 200
+        lines = [line for line in response.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]" and len(lines) > 3
+    bad = cluster.client.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": -1})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_tokens"
+    too_long = cluster.client.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 5000})
+    assert too_long.status_code == 400
+
+
+def test_prefix_affinity_routes_a_cached_prefix_to_its_replica(cluster):
+    cluster.deploy("colocated", replicas=2)
+    before = {r.replica: r.stats.prefix_cache_hit_tokens for r in board_reports()}
+    cached = [cluster.complete(SHARED_PREFIX + q, 4)["usage"]["prompt_tokens_details"]["cached_tokens"]
+              for q in ("Do you sell rye bread?", "When do you open on Sunday?", "Is the carrot cake nut free?",
+                        "How much is a baguette?")]
+    # Only the replica that served the first request holds the prefix: every later one went there.
+    assert cached[0] == 0 and all(c >= 32 for c in cached[1:]), cached
+    wait_for(lambda: sum(r.stats.prefix_cache_hit_tokens for r in board_reports()) - sum(before.values())
+             >= sum(cached), "replica stats", 10)
+    gains = [r.stats.prefix_cache_hit_tokens - before.get(r.replica, 0) for r in board_reports()]
+    assert sorted(gains) == [0, sum(cached)]
+
+
+def test_metrics_aggregate_the_replicas(cluster):
+    url = cluster.deploy("colocated", replicas=2)
+    cluster.complete("Count to five:", 8)
+    time.sleep(1.2)  # replicas post every 0.5 s, the ingress reads every 0.5 s
+    metrics = {line.split(" ")[0]: float(line.split(" ")[1]) for line in cluster.client.get(url + "/metrics").text.splitlines()
+               if line.startswith("cllm_") and " " in line and "{" not in line}
+    reports = board_reports()
+    assert len(reports) == 2
+    assert metrics["cllm_slots_total"] == 2 * ENGINE["n_seq_max"]
+    assert metrics["cllm_generation_tokens_total"] == sum(r.stats.generation_tokens_total for r in reports) >= 8
+
+
+def stream_completion(cluster: Cluster, prompt: str, max_tokens: int, sink: dict) -> None:
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True, "ignore_eos": True}
+    sink["events"] = []
+    with cluster.client.stream("POST", cluster.url + "/v1/completions", json=body) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                sink["events"].append(json.loads(line[6:]))
+                sink.setdefault("id", sink["events"][0].get("id"))  # Serve's proxy sets its own X-Request-Id
+
+
+def replica_running(request_id: str) -> ReplicaReport | None:
+    for report in board_reports():
+        if any(info.request_id == request_id for info in report.running):
+            return report
+    return None
+
+
+def test_killed_replica_fails_only_its_requests(cluster):
+    cluster.deploy("colocated", replicas=2)
+    sinks = [{}, {}]
+    threads = [threading.Thread(target=stream_completion, args=(cluster, p, 600, s))
+               for p, s in zip(("Tell me about ships.", "Tell me about trains."), sinks)]
+    for t in threads:
+        t.start()
+    wait_for(lambda: all(s.get("id") for s in sinks) and replica_running(sinks[0]["id"]) is not None,
+             "both streams to start", 60)
+    victim = replica_running(sinks[0]["id"])
+    assert replica_running(sinks[1]["id"]).replica != victim.replica  # least-loaded: one each
+    os.kill(victim.pid, signal.SIGKILL)
+    for t in threads:
+        t.join(120)
+    killed, survivor = sinks
+    assert "error" in killed["events"][-1] and "replica" in killed["events"][-1]["error"]["message"]
+    assert survivor["events"][-1]["choices"][0]["finish_reason"] == "length"
+    assert sum(len(e["choices"][0]["text"]) > 0 for e in survivor["events"] if e.get("choices")) > 100
+    assert cluster.complete("After the crash,", 4)["choices"][0]["finish_reason"] == "length"
+    wait_for(lambda: len({r.pid for r in board_reports()}) == 2 and victim.pid not in {r.pid for r in board_reports()},
+             "Serve to replace the killed replica", 120)
+
+
+def test_sigterm_drains_running_requests_to_the_other_replica(cluster, reference):
+    cluster.deploy("colocated", replicas=2)
+    prompt = "Write a long poem about the sea."
+    expected = greedy(reference, prompt, 400, ignore_eos=True)
+    sink: dict = {}
+    thread = threading.Thread(target=stream_completion, args=(cluster, prompt, 400, sink))
+    thread.start()
+    wait_for(lambda: len(sink.get("events", [])) > 20 and replica_running(sink["id"]) is not None,
+             "the stream to start", 60)
+    draining = replica_running(sink["id"])
+    os.kill(draining.pid, signal.SIGTERM)
+    at_signal = len(sink["events"])
+    thread.join(120)
+    assert at_signal < 350 < len(sink["events"])  # most of it was still to come when the replica left
+    text = "".join(e["choices"][0]["text"] for e in sink["events"] if e.get("choices"))
+    assert sink["events"][-1]["choices"][0]["finish_reason"] == "length"
+    assert text == expected  # every token once, the rest decoded on the other replica from the moved KV
+    wait_for(lambda: draining.pid not in {r.pid for r in board_reports()}, "the drained replica to leave", 60)
+
+
+def test_prefill_decode_disaggregation_gives_the_same_greedy_output(cluster, reference):
+    cluster.deploy("pd", pd="prefill=1,decode=1")
+    prompt = "A short history of the printing press:"
+    assert cluster.complete(prompt, 32)["choices"][0]["text"] == greedy(reference, prompt, 32)
+    wait_for(lambda: {r.role for r in board_reports()} == {"prefill", "decode"}, "both roles on the board", 10)
+    time.sleep(1.0)
+    by_role = {r.role: r.stats for r in board_reports()}
+    assert by_role["prefill"].prompt_tokens_total > 0 and by_role["decode"].prompt_tokens_total == 0
+    assert by_role["decode"].generation_tokens_total > by_role["prefill"].generation_tokens_total

@@ -1,0 +1,48 @@
+"""Prefix keys and the prefix-affinity routing decision (no Ray needed)."""
+from __future__ import annotations
+
+import pytest
+
+from cllm.cluster.affinity import AffinityTable, rank
+from cllm.cluster.prefix import prefix_keys
+
+
+def test_keys_are_chained_per_complete_block():
+    a = prefix_keys(list(range(40)), 16)
+    assert len(a) == 2  # 8 trailing tokens form no complete block
+    b = prefix_keys(list(range(32)) + [99] * 8, 16)
+    assert b == a  # same first 32 tokens, same keys
+    c = prefix_keys([1000] + list(range(1, 40)), 16)
+    assert c[0] != a[0] and c[1] != a[1]  # a change in block 0 changes every later key
+    with pytest.raises(ValueError, match="block_tokens"):
+        prefix_keys([1], 0)
+
+
+def test_holder_of_the_longest_prefix_wins_unless_overloaded():
+    table = AffinityTable()
+    shared = list(range(64))
+    table.record(prefix_keys(shared[:32], 16), "r1")
+    table.record(prefix_keys(shared, 16), "r2")  # r2 got the longer prompt later
+    keys = prefix_keys(shared + [7] * 16, 16)
+    assert table.longest_match(keys, {"r1", "r2"}) == ("r2", 4)
+    assert rank(keys, {"r1": 0, "r2": 3}, table, max_imbalance=4) == [["r2"], ["r1"]]
+    assert rank(keys, {"r1": 0, "r2": 5}, table, max_imbalance=4) == [["r1", "r2"]]  # overloaded: least-loaded
+    # Each key has one owner, the replica that got it last: r2 took the first blocks over from r1.
+    assert table.longest_match(keys, {"r1"}) == (None, 0)
+    assert rank(keys, {"r1": 2}, table, max_imbalance=4) == [["r1"]]
+
+
+def test_unknown_prompt_goes_least_loaded_and_dead_replicas_are_forgotten():
+    table = AffinityTable()
+    keys = prefix_keys(list(range(32)), 16)
+    assert rank(keys, {"a": 3, "b": 1, "c": 2}, table, max_imbalance=4) == [["b", "c", "a"]]
+    table.record(keys, "a")
+    table.forget("a")
+    assert len(table) == 0 and table.longest_match(keys, {"a"}) == (None, 0)
+    assert rank(keys, {}, table, max_imbalance=0) == []
+
+
+def test_table_is_bounded():
+    table = AffinityTable(max_keys=3)
+    table.record(prefix_keys(list(range(80)), 16), "a")  # 5 keys
+    assert len(table) == 3
