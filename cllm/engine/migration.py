@@ -55,6 +55,7 @@ def export_request(engine: LLMEngine, request_id: str) -> tuple[RequestSnapshot,
     engine._groups.pop(request_id, None)
     engine._group_of.pop(request_id, None)
     engine._rngs.pop(request_id, None)
+    engine.structured.remove(request_id)
     engine.num_handed_off += 1
     return snap, segments
 
@@ -65,6 +66,7 @@ def import_request(engine: LLMEngine, snap: RequestSnapshot, segments: list[byte
     if not engine.has_room_for(1):
         raise QueueFullError(f"waiting queue is full ({engine.config.scheduler.max_waiting} requests); retry later")
     engine._check_id_free(snap.request_id, 1)
+    engine.structured.compile(snap.params)  # ValueError before any state changes, as add_request
     req = _request_from(engine, snap, segments)
     rng = np.random.default_rng()
     rng.bit_generator.state = snap.rng_state
@@ -73,6 +75,7 @@ def import_request(engine: LLMEngine, snap: RequestSnapshot, segments: list[byte
     engine._groups[snap.request_id] = group
     engine._group_of[snap.request_id] = (group, 0)
     engine._rngs[snap.request_id] = rng
+    engine.structured.add(req)  # a constrained request's matcher replays its output tokens at the next step
     engine.scheduler.add(req)
     return snap.request_id
 

@@ -152,3 +152,18 @@ def test_torch_hand_off_scatter_gathers_over_non_contiguous_blocks(torch_pair, t
     outs = run_to_end(b.engine)
     assert {rid: out.outputs[0].token_ids for rid, out in outs.items()} == expected
     assert b.engine.backend.blocks.num_used_blocks == 0  # every block given back
+
+
+def test_llama_cpp_constrained_request_keeps_its_grammar_through_a_hand_off(llama_pair):
+    """The receiving engine restarts the request's grammar matcher and replays the tokens so far, so
+    the output stays inside the grammar and equals the output without a hand-off."""
+    a, b = llama_pair
+    params = cllm.SamplingParams(max_tokens=40, temperature=0, json_object=True)
+    prompt = "Describe a cat as a JSON object:"
+    expected = reference(a, prompt, params)
+    a.engine.add_request(prompt, params, request_id="j")
+    steps(a.engine, 6)
+    hand_off(a.engine, b.engine, "j", chunk_bytes=1 << 20)
+    out = run_to_end(b.engine)["j"].outputs[0]
+    assert out.token_ids == expected
+    assert out.text.lstrip().startswith("{")
