@@ -207,18 +207,18 @@ def test_killed_replica_fails_only_its_requests(cluster):
     sinks = [{}, {}]
     threads = [threading.Thread(target=stream_completion, args=(cluster, p, 600, s))
                for p, s in zip(("Tell me about ships.", "Tell me about trains."), sinks)]
-    for t in threads:
-        t.start()
-    wait_for(lambda: all(s.get("id") for s in sinks) and replica_running(sinks[0]["id"]) is not None,
-             "both streams to start", 60)
+    threads[0].start()  # one after the other: requests routed at the same instant may pick the same replica
+    wait_for(lambda: sinks[0].get("id"), "the first stream to start", 60)
+    threads[1].start()
+    wait_for(lambda: sinks[1].get("id") and replica_running(sinks[0]["id"]) is not None, "both streams to start", 60)
     victim = replica_running(sinks[0]["id"])
     assert replica_running(sinks[1]["id"]).replica != victim.replica  # least-loaded: one each
     os.kill(victim.pid, signal.SIGKILL)
     for t in threads:
         t.join(120)
     killed, survivor = sinks
-    assert "error" in killed["events"][-1] and "replica" in killed["events"][-1]["error"]["message"]
-    assert survivor["events"][-1]["choices"][0]["finish_reason"] == "length"
+    assert "error" in killed["events"][-1] and "replica" in killed["events"][-1]["error"]["message"], killed["events"][-1]
+    assert survivor["events"][-1]["choices"][0]["finish_reason"] == "length", survivor["events"][-1]
     assert sum(len(e["choices"][0]["text"]) > 0 for e in survivor["events"] if e.get("choices")) > 100
     assert cluster.complete("After the crash,", 4)["choices"][0]["finish_reason"] == "length"
     wait_for(lambda: len({r.pid for r in board_reports()}) == 2 and victim.pid not in {r.pid for r in board_reports()},
