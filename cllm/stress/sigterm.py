@@ -24,24 +24,24 @@ class SigtermResult:
 
 
 async def _request(client: httpx.AsyncClient, i: int, stream: bool, first_chunk: asyncio.Event) -> Outcome | str:
-    # Streams are long (cut at the grace deadline: error event); plain requests short (most finish).
+    # Streams are long (cut at the grace deadline: error event); plain requests short (they finish).
     body = {"prompt": f"Essay {i}: the history of", "max_tokens": 300 if stream else 8, "ignore_eos": True,
             "stream": stream}
     try:
         if not stream:
             return json_outcome(await client.post("/v1/completions", json=body))
         async with client.stream("POST", "/v1/completions", json=body) as resp:
-            first_chunk.set()
-            return await stream_outcome(resp)
+            return await stream_outcome(resp, on_data=first_chunk.set)
     except httpx.HTTPError as exc:
         return f"{i}: {type(exc).__name__}: {exc}"
 
 
 async def run_sigterm(server: ServerProcess, *, streams: int = 16, plain: int = 8) -> SigtermResult:
-    """Start ``streams`` + ``plain`` long requests, SIGTERM the server once tokens flow, read every answer."""
+    """Start ``plain`` short requests, then ``streams`` long ones; SIGTERM the server once a stream has
+    tokens; read every answer."""
     first_chunk = asyncio.Event()
     async with server.async_http(timeout=120.0, max_connections=streams + plain + 4) as client:
-        tasks = [asyncio.ensure_future(_request(client, i, i < streams, first_chunk)) for i in range(streams + plain)]
+        tasks = [asyncio.ensure_future(_request(client, i, i >= plain, first_chunk)) for i in range(streams + plain)]
         await asyncio.wait_for(first_chunk.wait(), 60)
         await asyncio.sleep(0.5)
         server.proc.send_signal(signal.SIGTERM)

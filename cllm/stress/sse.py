@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import httpx
@@ -23,8 +24,8 @@ def _finish_reasons(payload: dict) -> list[str]:
     return [c.get("finish_reason") for c in payload.get("choices", []) if c.get("finish_reason")]
 
 
-async def stream_outcome(resp: httpx.Response) -> Outcome:
-    """Read an SSE response to its end."""
+async def stream_outcome(resp: httpx.Response, on_data: Callable[[], None] | None = None) -> Outcome:
+    """Read an SSE response to its end; ``on_data`` is called at each ``data:`` event."""
     outcome = Outcome(resp.status_code, False, False, False)
     if resp.status_code != 200:
         outcome.detail = (await resp.aread()).decode(errors="replace")[:200]
@@ -35,6 +36,8 @@ async def stream_outcome(resp: httpx.Response) -> Outcome:
         elif line == "data: [DONE]":
             outcome.done = True
         elif line.startswith("data: "):
+            if on_data is not None:
+                on_data()
             payload = json.loads(line[6:])
             if "error" in payload:
                 outcome.error_event = True
