@@ -1,6 +1,7 @@
 """Issue 9 defects 8 and 9 on the real model: which slot a prompt takes, and what it reports cached."""
 from __future__ import annotations
 
+import collections
 import logging
 
 import pytest
@@ -84,3 +85,26 @@ def test_rolled_back_admission_is_not_counted_in_prefix_stats(llm):
     queried, hits = backend.prefix_cache_stats()
     assert (queried - before[0], hits - before[1]) == (len(ids), out.usage.cached_tokens)
     assert out.usage.cached_tokens > 0
+
+
+def test_kv_unified_head_that_cannot_reserve_is_not_readmitted_every_step():
+    # Issue 9 defect 6 on the real backend: with one shared KV pool too small for both requests, the
+    # second waits; its admission (prefix scan, truncation, seq_cp) runs once while the first decodes,
+    # and again once the first has finished, not on every one of the first's steps.
+    with cllm.LLM(n_threads=1, n_seq_max=2, kv_unified=True, n_ctx=256) as llm:
+        backend = llm.engine.backend
+        admits: list[str] = []
+        real_admit = backend.admit
+
+        def counting_admit(sequence_id, token_ids):
+            admits.append(sequence_id)
+            return real_admit(sequence_id, token_ids)
+        backend.admit = counting_admit
+        long_prompt = "The history of bread begins in the ancient Near East. " * 12  # ~130 tokens
+        params = cllm.SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+        first, second = llm.generate([long_prompt, "Tell me about rivers. " + long_prompt], params)
+    assert first.outputs[0].finish_reason == second.outputs[0].finish_reason == "length"
+    assert len(first.outputs[0].token_ids) == len(second.outputs[0].token_ids) == 40
+    counts = collections.Counter(admits)
+    # the waiting one: refused at least once, admitted once after; 40 decode steps, not 40 admissions
+    assert len(counts) == 2 and 2 <= max(counts.values()) <= 3, counts
