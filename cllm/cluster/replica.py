@@ -13,7 +13,7 @@ import atexit
 import contextlib
 import logging
 import os
-import threading
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -59,8 +59,8 @@ class EngineReplica:
 
     def check_health(self) -> None:
         """Ray Serve's health check: a dead engine loop fails it, and Serve replaces the replica."""
-        if self.engine._dead is not None:
-            raise RuntimeError(f"engine loop died: {self.engine._dead}")
+        if not self.engine.is_running:
+            raise RuntimeError("the engine loop is not running")
 
     def record_routing_stats(self) -> dict[str, Any]:
         stats = self.engine.stats()
@@ -119,7 +119,7 @@ class EngineReplica:
     async def drain(self) -> int:
         """Hand every live request to the other replicas (through the ingress); how many moved."""
         self._draining = True
-        self.engine._accepting = False
+        self.engine._accepting = False  # new requests get 503 here; Serve routes them to the others
         moved = await asyncio.gather(*(self._export(rid) for rid in self.engine.live_request_ids()))
         return sum(moved)
 
@@ -131,11 +131,11 @@ class EngineReplica:
         try:
             moved = asyncio.run_coroutine_threadsafe(self.drain(), loop).result(timeout=DRAIN_WAIT_S)
             log.warning("draining: handed %d running request(s) to other replicas", moved)
-            deadline = threading.Event()
-            for _ in range(int(DRAIN_WAIT_S * 10)):
-                if not self._tickets:
-                    break
-                deadline.wait(0.1)
+            # Each moved request's stream ends once its ticket went out; requests that cannot move
+            # (n > 1) get the server's grace period to finish here.
+            deadline = time.monotonic() + max(DRAIN_WAIT_S, self.config.server.shutdown_grace_s)
+            while (self._tickets or self.engine.live_request_ids()) and time.monotonic() < deadline:
+                time.sleep(0.1)
         except Exception as err:  # exiting anyway: the requests fail as they would have without a drain
             log.error("draining failed: %s", err)
 

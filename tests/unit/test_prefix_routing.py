@@ -46,3 +46,20 @@ def test_table_is_bounded():
     table = AffinityTable(max_keys=3)
     table.record(prefix_keys(list(range(80)), 16), "a")  # 5 keys
     assert len(table) == 3
+
+
+def test_replica_stats_aggregate_as_one_engine():
+    from cllm.cluster.stats_board import aggregate
+    from cllm.engine.stats import EngineStats
+
+    def stats(running: int, kv: float, hits: int, finished: dict[str, int]) -> EngineStats:
+        return EngineStats(num_running=running, num_waiting=1, num_preempted=0, slots_in_use=running, slots_total=4,
+                           kv_usage=kv, prefix_cache_queried_tokens=100, prefix_cache_hit_tokens=hits,
+                           prompt_tokens_total=50, generation_tokens_total=70, num_preemptions=0, tokens_per_s=10.0,
+                           requests_finished=finished)
+
+    total = aggregate([stats(2, 0.5, 40, {"stop": 1}), stats(1, 0.25, 10, {"stop": 2, "length": 1})])
+    assert (total.num_running, total.num_waiting, total.slots_total, total.generation_tokens_total) == (3, 2, 8, 140)
+    assert total.kv_usage == 0.375 and total.prefix_cache_hit_rate == 0.25 and total.tokens_per_s == 20.0
+    assert total.requests_finished == {"stop": 3, "length": 1}
+    assert aggregate([]) is None
