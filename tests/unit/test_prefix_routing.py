@@ -63,3 +63,15 @@ def test_replica_stats_aggregate_as_one_engine():
     assert total.kv_usage == 0.375 and total.prefix_cache_hit_rate == 0.25 and total.tokens_per_s == 20.0
     assert total.requests_finished == {"stop": 3, "length": 1}
     assert aggregate([]) is None
+
+
+def test_pd_setting_is_validated_with_the_bad_value_named():
+    from cllm.config import load_config, parse_pd
+
+    assert parse_pd("prefill=2, decode=3") == (2, 3)
+    assert load_config(environ={}, pd="prefill=1,decode=1").cluster.pd == "prefill=1,decode=1"
+    for bad in ("prefill=1", "prefill=0,decode=1", "prefill=a,decode=1", "prefill=1,decode=1,extra=2"):
+        with pytest.raises(ValueError, match="pd="):
+            load_config(environ={}, pd=bad)
+    with pytest.raises(ValueError, match="replicas"):
+        load_config(environ={}, replicas=0)
