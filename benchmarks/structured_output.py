@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from typing import Any
 
@@ -82,6 +83,7 @@ def main() -> None:
     c = args.concurrency
     llm = cllm.LLM(backend=args.backend, n_threads=args.threads, n_seq_max=c, n_ctx=1024 * c, prefix_cache=False)
     compile_info = compile_times(llm)
+    print(json.dumps({"compile": compile_info}), file=sys.stderr, flush=True)
     prompts = [llm.engine.tokenize_chat([{"role": "user", "content": f"Invent person number {i} and describe them as JSON "
                                           "with name, age, email, skills and address."}]) for i in range(c)]
     constrained = [SamplingParams(temperature=0.8, seed=i, max_tokens=args.max_tokens, json_schema=PERSON) for i in range(c)]
@@ -97,6 +99,7 @@ def main() -> None:
         assert tokens == sum(len(o.outputs[0].token_ids) for o in outs_u)
         records.append({"tokens": tokens, "constrained_s": t_c, "unconstrained_s": t_u, "valid_json": valid,
                         "constrained_tok_s": tokens / t_c, "unconstrained_tok_s": tokens / t_u})
+        print(json.dumps(records[-1]), file=sys.stderr, flush=True)
     best_c = max(r["constrained_tok_s"] for r in records)
     best_u = max(r["unconstrained_tok_s"] for r in records)
     result = {

@@ -1,6 +1,7 @@
 """Chat templates: the model's own Jinja template, rendered in a sandbox."""
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Sequence
 from typing import Any
@@ -73,6 +74,7 @@ class ChatTemplate:
             raise ValueError("the model has no chat template in its metadata; use completions with a plain prompt")
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = _raise
+        env.filters["tojson"] = _tojson
         self._template = env.from_string(source)
         eos = sorted(tokenizer.eos_token_ids)
         bos = tokenizer.bos_token_id
@@ -108,6 +110,13 @@ class ChatTemplate:
             else:
                 segments.append((contents[int(piece)], False))
         return [seg for seg in segments if seg[0]]
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
+            sort_keys: bool = False) -> str:
+    """transformers' ``tojson`` (what chat templates are written for): plain JSON. Jinja's own filter
+    HTML-escapes ("<" becomes "\\u003c") and sorts keys, which would garble tool definitions and calls."""
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
 Segment = tuple[str, bool]  # (text, trusted: may contain special tokens)

@@ -22,9 +22,10 @@ class ToolFunction:
 
     def to_openai(self) -> dict[str, Any]:
         """The OpenAI ``tools`` entry (what chat templates expect in ``tools``)."""
-        function: dict[str, Any] = {"name": self.name, "parameters": self.parameters}
+        function: dict[str, Any] = {"name": self.name}
         if self.description:
             function["description"] = self.description
+        function["parameters"] = self.parameters
         return {"type": "function", "function": function}
 
 

@@ -167,3 +167,46 @@ def test_forced_stream_holds_everything_until_the_end():
     assert all(stream.feed(ch) == "" for ch in text)
     rest, calls = stream.finish()
     assert rest == "" and [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Kyiv"})]
+
+
+# ---- a tool-aware (Qwen 2.5 style) template, rendered --------------------------------------------
+
+QWEN_STYLE = (
+    "{%- if tools %}<|im_start|>system\n# Tools\n<tools>{% for tool in tools %}\n{{ tool | tojson }}{% endfor %}\n</tools>"
+    "<|im_end|>\n{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'assistant' and message.tool_calls %}<|im_start|>assistant\n"
+    "{%- for tool_call in message.tool_calls %}{%- if tool_call.function is defined %}{%- set tool_call = tool_call.function %}{%- endif %}"
+    "<tool_call>\n{\"name\": \"{{ tool_call.name }}\", \"arguments\": {{ tool_call.arguments | tojson }}}\n</tool_call>"
+    "{%- endfor %}<|im_end|>\n"
+    "{%- elif message.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ message.content }}\n</tool_response><|im_end|>\n"
+    "{%- else %}<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n{%- endif %}"
+    "{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}"
+)
+
+
+def test_native_template_renders_tools_and_calls_as_plain_json():
+    from cllm.chat_template import ChatTemplate
+    from tests.unit.fakes import ByteTokenizer
+
+    class QwenLike(ByteTokenizer):
+        @property
+        def chat_template(self):
+            return QWEN_STYLE
+
+    tool = {"type": "function", "function": {"name": "search", "description": "Find <b>pages</b> & more",
+                                             "parameters": {"type": "object", "properties": {"q": {"type": "string"}}}}}
+    plan = plan_tools([tool], "auto", None, QWEN_STYLE)
+    assert plan.native and plan.parser.name == "hermes"
+    messages = plan.prepare_messages([
+        {"role": "user", "content": "find cats"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "search", "arguments": '{"q": "cats <3"}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "3 results"},
+    ])
+    text = ChatTemplate(QwenLike()).render(messages, tools=plan.template_tools())
+    assert json.dumps(tool, ensure_ascii=False) in text  # key order and "<", "&" kept
+    assert '<tool_call>\n{"name": "search", "arguments": {"q": "cats <3"}}\n</tool_call>' in text
+    assert "<tool_response>\n3 results\n</tool_response>" in text
+    reply = '<tool_call>\n{"name": "search", "arguments": {"q": "dogs"}}\n</tool_call>'
+    assert calls_of(plan.parse(reply)) == [("search", {"q": "dogs"})]
