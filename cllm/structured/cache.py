@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import collections
 import json
+import os
 import re
 import threading
 import time
@@ -68,8 +69,10 @@ class GrammarCache:
                                      "the xgrammar package: pip install 'cllm[structured]'") from None
 
                 # Our LRU bounds memory; xgrammar's own cache would keep every grammar ever seen.
-                self._compiler = xgr.GrammarCompiler(tokenizer_info(self._tokenizer), max_threads=1,
-                                                     cache_enabled=False)
+                # Compiling (the per-state token masks) is parallel: a bounded schema (maxLength,
+                # nested arrays) takes seconds on one core.
+                self._compiler = xgr.GrammarCompiler(tokenizer_info(self._tokenizer),
+                                                     max_threads=min(8, os.cpu_count() or 1), cache_enabled=False)
             return self._compiler
 
     def _compile(self, key: tuple[str, str], params: SamplingParams) -> Any:
