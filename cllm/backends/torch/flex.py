@@ -157,7 +157,7 @@ def build_flex_decode(
 def build_flex_chunk(row_start: int, num_tokens: int, start_pos: int, block_ids: Sequence[int],
                      cache: PagedKVCache) -> FlexChunk:
     """Block mask of one chunk whose first token is at ``start_pos`` (> 0: a cached prefix precedes it)."""
-    device, bs = cache.k.device, cache.shape.block_size
+    bs = cache.shape.block_size
     q_blocks = -(-num_tokens // Q_BLOCK)
     first_q = start_pos + np.arange(q_blocks) * Q_BLOCK  # position of each query block's first token
     last_q = np.minimum(first_q + Q_BLOCK, start_pos + num_tokens) - 1
