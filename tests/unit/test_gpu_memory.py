@@ -82,3 +82,18 @@ def test_gpu_settings_are_validated(kwargs, text):
 def test_gpu_defaults():
     cfg = load_config(None, environ={})
     assert (cfg.torch.gpu_memory_utilization, cfg.torch.gpu_n_seq_max, cfg.torch.gpu_n_batch) == (0.9, 256, 8192)
+
+
+def test_gpu_step_limits_and_attention_choice_by_device():
+    from cllm.backends.torch.attention import attention_mode
+    from cllm.backends.torch.backend import _step_limits
+
+    cfg = load_config(None, environ={})
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert _step_limits(cfg, cuda) == (256, 8192) and _step_limits(cfg, cpu) == (8, 512)
+    assert _step_limits(cfg.with_overrides(gpu_n_seq_max=None, gpu_n_batch=None), cuda) == (8, 512)
+    assert attention_mode("auto", cpu, 16) == "sdpa"
+    assert attention_mode("auto", cuda, 16) == "flex"  # flash-attn needs block_size % 256 == 0 (and the package)
+    assert attention_mode("flex", cpu, 16) == "flex"
+    with pytest.raises(ValueError, match="attention='flash'"):
+        attention_mode("flash", cpu, 256)
