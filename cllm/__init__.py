@@ -13,7 +13,7 @@ from cllm.engine.async_llm import AsyncLLM
 from cllm.engine.llm import LLM
 from cllm.engine.stats import EngineStats
 from cllm.errors import ContextLengthError, EngineDeadError, QueueFullError
-from cllm.outputs import CompletionOutput, RequestOutput, Usage
+from cllm.outputs import CompletionOutput, EmbeddingOutput, RequestOutput, TokenLogprob, Usage
 from cllm.request import RequestStatus
 from cllm.sampling.params import SamplingParams
 
@@ -30,6 +30,7 @@ def serve_ray(*args, **kwargs):  # type: ignore[no-untyped-def]
 
 __all__ = [
     "LLM", "AsyncLLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Usage", "RequestStatus",
+    "EmbeddingOutput", "TokenLogprob",
     "CllmConfig", "load_config", "Backend", "BackendCapacity", "Tokenizer", "EngineStats",
     "backend_names", "describe_backends", "get_backend_factory",
     "ContextLengthError", "QueueFullError", "EngineDeadError", "serve_ray", "__version__",

@@ -111,7 +111,7 @@ def serve(
     max_num_seqs: Optional[int] = typer.Option(None, "--max-num-seqs"),
     max_waiting: Optional[int] = typer.Option(None, "--max-waiting"),
     request_timeout_s: Optional[float] = typer.Option(None, "--request-timeout-s"),
-    served_model_name: Optional[str] = typer.Option(None, "--served-model-name"),
+    served_model_name: Optional[list[str]] = typer.Option(None, "--served-model-name", help="model name to answer to (repeatable: aliases)"),
     replicas: Optional[int] = typer.Option(None, "--replicas", help="engine replicas on Ray Serve (needs cllm[ray])"),
     pd: Optional[str] = typer.Option(None, "--pd", help="prefill/decode replicas on Ray Serve, e.g. prefill=1,decode=1"),
     sets: Optional[list[str]] = SetOpt,
@@ -120,7 +120,7 @@ def serve(
     cfg = _config(config, sets, backend=backend, model=model, host=host, port=port, api_key=api_key,
                   log_level=log_level, n_ctx=n_ctx, n_seq_max=n_seq_max, n_threads=n_threads, n_batch=n_batch,
                   max_num_seqs=max_num_seqs, max_waiting=max_waiting, request_timeout_s=request_timeout_s,
-                  served_model_name=served_model_name, replicas=replicas, pd=pd)
+                  served_model_name=served_model_name or None, replicas=replicas, pd=pd)
     if cfg.cluster.replicas > 1 or cfg.cluster.pd is not None:
         try:
             from cllm.cluster.app import serve_ray

@@ -72,6 +72,14 @@ class TorchConfig(_Section):
     gpu_n_batch: int | None = Field(8192, ge=1, le=1 << 20, description="CUDA: most tokens in one forward call (model.n_batch is CPU-sized); null = n_batch")
 
 
+class EmbeddingConfig(_Section):
+    """/v1/embeddings and LLM.embed."""
+
+    embedding_pooling: Literal["auto", "mean", "cls", "last"] = Field("auto", description="how token hidden states become one vector; auto = the GGUF's <arch>.pooling_type when it names mean/cls/last, else mean (what llama-server does for a decoder model without pooling metadata); torch: auto = mean")
+    embedding_batch_tokens: int = Field(1024, ge=16, le=1 << 16, description="tokens evaluated in one embedding forward (inputs of concurrent requests are packed together up to this); also the longest input allowed")
+    embedding_max_inputs: int = Field(16, ge=1, le=256, description="inputs packed into one embedding forward (llama.cpp: n_seq_max of the embeddings context)")
+
+
 class SchedulerConfig(_Section):
     """Continuous-batching policy."""
 
@@ -92,7 +100,8 @@ class ServerConfig(_Section):
     api_key: str | None = Field(None, description="if set, every route but /health requires `Authorization: Bearer <key>`; an empty key is an error, not 'no auth'")
     allowed_hosts: list[str] = Field(default_factory=list, description="without an api_key, Host headers served besides loopback names (DNS-rebinding defence); [\"*\"] = any")
     cors_origins: list[str] = Field(default_factory=list, description="allowed CORS origins; empty = CORS off")
-    served_model_name: str | None = Field(None, description="model id reported by /v1/models; None = file stem")
+    served_model_name: list[str] | None = Field(None, description="model id(s) the server answers to and /v1/models lists (a string or a list of aliases; the first is the name responses carry); None = file stem")
+    accept_any_model: bool = Field(False, description="accept requests naming any model (llama-cpp-python's behaviour); false = an unknown model name is a 404 model_not_found")
     max_tokens_limit: int = Field(4096, ge=1, description="largest max_tokens a request may ask for")
     max_n: int = Field(8, ge=1, le=128, description="largest n a request may ask for")
     max_body_bytes: int = Field(1 << 20, ge=1024, description="largest request body")
@@ -107,6 +116,23 @@ class ServerConfig(_Section):
     sse_keepalive_s: float = Field(10.0, gt=0, description="while a stream waits (queued, long prefill), send an SSE comment line this often so proxies with read timeouts keep it open")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log verbosity")
     shutdown_grace_s: float = Field(10.0, ge=0, description="on SIGTERM, how long in-flight requests may finish before being aborted")
+
+    @field_validator("served_model_name", mode="before")
+    @classmethod
+    def _names_as_list(cls, value: object) -> object:
+        return [value] if isinstance(value, str) else value
+
+    @field_validator("served_model_name")
+    @classmethod
+    def _names_valid(cls, value: list[str] | None) -> list[str] | None:
+        if value is None:
+            return None
+        bad = [v for v in value if not v.strip()]
+        if not value or bad:
+            raise ValueError(f"served_model_name={value!r}: give non-empty names, or leave it unset (null) for the file stem")
+        if len(set(value)) != len(value):
+            raise ValueError(f"served_model_name={value!r} repeats a name")
+        return value
 
     @field_validator("api_key")
     @classmethod
@@ -164,6 +190,7 @@ class CllmConfig(_Section):
     model: ModelConfig = Field(default_factory=ModelConfig)
     llama_cpp: LlamaCppConfig = Field(default_factory=LlamaCppConfig)
     torch: TorchConfig = Field(default_factory=TorchConfig)
+    embeddings: EmbeddingConfig = Field(default_factory=EmbeddingConfig)
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
     server: ServerConfig = Field(default_factory=ServerConfig)
     structured: StructuredConfig = Field(default_factory=StructuredConfig)

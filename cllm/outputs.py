@@ -94,7 +94,16 @@ class RequestOutput:
     usage: Usage  # token accounting so far
     metrics: RequestMetrics  # timings of the first choice
     error: str | None = None  # why the request failed, if it did
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # SamplingParams.prompt_logprobs: one per prompt token (first None), once all are scored
 
     @property
     def num_cached_tokens(self) -> int:
         return self.usage.cached_tokens
+
+
+@dataclass(slots=True)
+class EmbeddingOutput:
+    """One input's embedding (LLM.embed, AsyncLLM.embed, /v1/embeddings)."""
+
+    embedding: list[float]  # the pooled final hidden state, L2-normalised (unit length, as OpenAI's)
+    prompt_token_ids: list[int]  # the input's tokens (usage counts them)

@@ -61,6 +61,8 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING  # lifecycle state
     output_token_ids: list[int] = field(default_factory=list)  # sampled so far
     output_logprobs: list[TokenLogprob] = field(default_factory=list)  # when params.logprobs is set
+    scores_prompt: bool = False  # compute prompt_logprobs (params.prompt_logprobs set; first choice only)
+    prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)  # one per prompt token scored so far (first: None)
     num_computed_tokens: int = 0  # tokens whose KV the backend holds
     num_cached_tokens: int | None = None  # prefix-cache hit at first admission
     swapped_state: bytes | list[bytes] | None = None  # saved KV: bytes while swapped out, segments (Backend.import_kv) when handed over by another engine
@@ -87,6 +89,11 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
+
+    @property
+    def needs_prompt_logits(self) -> bool:
+        """Prompt logprobs were asked for and not every prompt token is scored yet."""
+        return self.scores_prompt and len(self.prompt_logprobs) < len(self.prompt_token_ids)
 
     def token_at(self, index: int) -> int:
         n = len(self.prompt_token_ids)

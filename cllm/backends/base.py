@@ -112,8 +112,13 @@ class Backend(ABC):
         """The model's tokenizer."""
 
     @abstractmethod
-    def admit(self, sequence_id: str, token_ids: Sequence[int]) -> Admission | None:
+    def admit(self, sequence_id: str, token_ids: Sequence[int], *, reuse_prefix: bool = True) -> Admission | None:
         """Give a new (or resumed) sequence a place; None when none is free now.
+
+        ``reuse_prefix=False`` forbids a prefix-cache hit (num_cached_tokens is 0):
+        the engine asks for that when it needs the logits of every prompt token
+        (prompt logprobs), which cached tokens would skip. The engine passes the
+        keyword only then, so a backend without prefix reuse may ignore it.
 
         ``token_ids`` is everything the sequence holds so far (prompt, plus
         output already generated for a recompute-resumed sequence). A backend
@@ -137,6 +142,7 @@ class Backend(ABC):
         sequence_ids: Sequence[str],
         *,
         logits_for: Sequence[str] | None = None,
+        all_logits_for: Sequence[str] = (),
     ) -> np.ndarray:
         """Evaluate one step's tokens and return next-token logits.
 
@@ -148,11 +154,19 @@ class Backend(ABC):
             order of the returned rows; default: every sequence in the batch in
             order of first appearance. A sequence whose prefill chunk is not
             its last needs none.
+        all_logits_for: sequences whose logits are wanted at *every* token
+            they have in this batch, not only the last (prompt logprobs score
+            each prompt token under the logits of the position before it).
+            Their rows follow the ``logits_for`` rows: for each sequence in
+            ``all_logits_for`` order, one row per token of its chunk, in
+            position order. A sequence may be in both lists (its last row then
+            appears twice). Empty (the default) costs nothing extra.
 
-        Returns a float32 array of shape ``(len(logits_for), vocab_size)``: a numpy
-        array, or a torch tensor left on the backend's device when the backend
-        samples there (the engine then uses the torch sampler; see
-        cllm/sampling/dispatch.py).
+        Returns a float32 array of shape ``(len(logits_for) + T, vocab_size)``,
+        T being the number of tokens the ``all_logits_for`` sequences have in
+        the batch: a numpy array, or a torch tensor left on the backend's device
+        when the backend samples there (the engine then uses the torch sampler;
+        see cllm/sampling/dispatch.py).
         Raises BackendError naming the sequences that failed.
         """
 
@@ -176,6 +190,22 @@ class Backend(ABC):
     # Optional capabilities. Each is discoverable through a `supports_*` flag.
     supports_prefix_cache: bool = False
     supports_state_swap: bool = False
+    supports_embeddings: bool = False
+
+    @property
+    def embedding_max_tokens(self) -> int:
+        """Longest input ``embed`` takes (0 without embeddings)."""
+        return 0
+
+    def embed(self, inputs: Sequence[Sequence[int]]) -> np.ndarray:
+        """Pooled final hidden states: float32 ``[len(inputs), hidden]``, one row per input, not normalised.
+
+        Several inputs run in one forward (packed up to the backend's embedding
+        budget). Embedding never touches generation's sequence slots or KV
+        cache, so it may run between any two ``forward_batch`` steps (the engine
+        calls it on its own thread, never concurrently with a step).
+        """
+        raise RuntimeError(f"backend {self.name!r} cannot compute embeddings")
 
     def save_state(self, sequence_id: str) -> bytes:
         """Snapshot one sequence's KV (swap-out preemption, migration)."""

@@ -29,7 +29,7 @@ from cllm.engine.stats import EngineStats, RunningRequestInfo
 from cllm.errors import EngineDeadError, QueueFullError, RequestHandedOffError
 from cllm.handoff.snapshot import RequestSnapshot
 from cllm.model_path import resolve_model_path
-from cllm.outputs import RequestOutput
+from cllm.outputs import EmbeddingOutput, RequestOutput
 from cllm.sampling.params import SamplingParams
 
 log = logging.getLogger("cllm.engine")
@@ -45,6 +45,15 @@ class _Stream:
     error: BaseException | None = None  # an exception that came after outputs, raised once those are out
 
 
+@dataclass(slots=True)
+class _EmbedJob:
+    """One embed() call waiting for the engine thread."""
+
+    token_ids: list[list[int]]  # validated inputs
+    loop: asyncio.AbstractEventLoop  # the caller's event loop
+    future: asyncio.Future  # resolves to list[EmbeddingOutput], or an exception
+
+
 class AsyncLLM:
     """``AsyncLLM(model=None, backend=None, config=None, **overrides)``; see LLM for the arguments."""
 
@@ -53,6 +62,7 @@ class AsyncLLM:
         self.engine = make_engine(model, backend, config, overrides)
         self.config = self.engine.config
         self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._embed_jobs: queue.SimpleQueue[_EmbedJob] = queue.SimpleQueue()  # run between steps, batched
         self._wake = threading.Event()
         self._state_lock = threading.Lock()
         self._streams: dict[str, _Stream] = {}
@@ -127,6 +137,7 @@ class AsyncLLM:
         try:
             while not self._stopping:
                 self._drain_inbox()
+                self._run_embed_jobs()
                 if not self.engine.has_unfinished():
                     self._wake.wait(IDLE_WAIT_S)
                     self._wake.clear()
@@ -144,10 +155,33 @@ class AsyncLLM:
             if self._stopping:  # streams still open missed their abort (it was queued behind a long step)
                 for rid in list(self._streams):
                     self._deliver(rid, EngineDeadError("engine shut down before this request finished"))
+            self._fail_embed_jobs(EngineDeadError("engine stopped before the embedding ran"))
             with self._close_lock:
                 self._loop_done = True
                 if self._close_pending:  # shutdown gave up waiting: free the engine now, after the step
                     self.engine.close()
+
+    def _run_embed_jobs(self) -> None:
+        """Every queued embed() call, all inputs in one backend.embed (packed per forward): concurrent
+        callers are batched with each other. Runs between steps, so it never races a forward pass."""
+        jobs = _take_all(self._embed_jobs)
+        if not jobs:
+            return
+        try:
+            with self._state_lock:
+                outputs = self.engine.embed_token_ids([ids for job in jobs for ids in job.token_ids])
+        except Exception as err:  # a backend failure fails these calls; the engine lives on
+            for job in jobs:
+                _resolve(job, err)
+            return
+        start = 0
+        for job in jobs:
+            _resolve(job, outputs[start:start + len(job.token_ids)])
+            start += len(job.token_ids)
+
+    def _fail_embed_jobs(self, err: BaseException) -> None:
+        for job in _take_all(self._embed_jobs):
+            _resolve(job, err)
 
     def _drain_inbox(self) -> None:
         while True:
@@ -244,6 +278,25 @@ class AsyncLLM:
         async with contextlib.aclosing(self.generate(request.prompt_ids, request.params, **kwargs)) as outputs:
             async for out in outputs:
                 yield attach_tool_calls(out, request.plan) if out.finished else out
+    async def embed(self, inputs: Prompt | Sequence[Prompt]) -> list[EmbeddingOutput]:
+        """Embeddings of texts (or token-id lists), in input order (see LLM.embed). Calls made while
+        others wait are run together, packed several inputs per forward pass."""
+        if self._dead is not None:
+            raise EngineDeadError(f"engine stopped: {self._dead}")
+        if not self._accepting:
+            raise EngineDeadError("server is shutting down")
+        items = [inputs] if isinstance(inputs, str) else list(inputs)
+        if items and all(isinstance(t, int) for t in items):
+            items = [items]  # one token-id input
+        token_ids = await asyncio.to_thread(self.engine.embedding_token_ids, items)
+        loop = asyncio.get_running_loop()
+        job = _EmbedJob(token_ids, loop, loop.create_future())
+        self.start()
+        self._embed_jobs.put(job)
+        self._wake.set()
+        if self._loop_done or self._dead is not None:  # the loop ended before it could see the job
+            self._fail_embed_jobs(EngineDeadError("engine stopped before the embedding ran"))
+        return await job.future
 
     def _admit_checks(self, prompt: Prompt, params: SamplingParams, request_id: str | None) -> str:
         if self._dead is not None:
@@ -408,6 +461,28 @@ class AsyncLLM:
 def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
     for queue_, item in items:
         queue_.put_nowait(item)
+
+
+def _take_all(jobs: queue.SimpleQueue[_EmbedJob]) -> list[_EmbedJob]:
+    taken = []
+    while True:
+        try:
+            taken.append(jobs.get_nowait())
+        except queue.Empty:
+            return taken
+
+
+def _resolve(job: _EmbedJob, result: list[EmbeddingOutput] | BaseException) -> None:
+    """Hand a result to the caller's loop (a caller that gave up has a cancelled future: skip it)."""
+    def settle() -> None:
+        if job.future.done():
+            return
+        if isinstance(result, BaseException):
+            job.future.set_exception(result)
+        else:
+            job.future.set_result(result)
+    if not job.loop.is_closed():
+        job.loop.call_soon_threadsafe(settle)
 
 
 def _merge(items: list[RequestOutput]) -> RequestOutput:

@@ -12,7 +12,7 @@ from cllm.config import CllmConfig, load_config
 from cllm.engine.chat_request import attach_tool_calls, prepare_chat
 from cllm.engine.llm_engine import LLMEngine, Prompt
 from cllm.engine.stats import EngineStats
-from cllm.outputs import RequestOutput
+from cllm.outputs import EmbeddingOutput, RequestOutput
 from cllm.sampling.params import SamplingParams
 
 
@@ -81,6 +81,13 @@ class LLM:
                     for c in conversations]
         outs = self.generate([r.prompt_ids for r in requests], [r.params for r in requests], use_tqdm=use_tqdm)
         return [attach_tool_calls(out, r.plan) for out, r in zip(outs, requests)]
+
+    def embed(self, inputs: Prompt | Sequence[Prompt]) -> list[EmbeddingOutput]:
+        """Embeddings of texts (or token-id lists), in input order: pooled final hidden states, L2-normalised.
+
+        Inputs are packed several per forward pass; pooling follows ``embedding_pooling``.
+        """
+        return self.engine.embed_token_ids(self.engine.embedding_token_ids(_as_prompt_list(inputs)))
 
     def _feed(self, pending: list[tuple], ids: list[str]) -> None:
         # An idle engine always takes the next request, so a too-large n surfaces as QueueFullError.

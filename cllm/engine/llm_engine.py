@@ -18,11 +18,12 @@ from cllm.backends.registry import create_backend
 from cllm.chat_template import ChatTemplate
 from cllm.config import CllmConfig
 from cllm.engine import migration
+from cllm.engine.prompt_logprobs import score_prompt_chunk
 from cllm.engine.request_group import RequestGroup
 from cllm.engine.stats import EngineStats, RateMeter, RunningRequestInfo
 from cllm.errors import ContextLengthError, QueueFullError
 from cllm.handoff.snapshot import RequestSnapshot
-from cllm.outputs import RequestOutput
+from cllm.outputs import EmbeddingOutput, RequestOutput
 from cllm.request import Request, RequestStatus
 from cllm.sampling.params import SamplingParams
 from cllm.sampling.dispatch import sample_logits, stack_rows
@@ -102,6 +103,8 @@ class LLMEngine:
 
     def resolve_max_tokens(self, num_prompt: int, params: SamplingParams) -> int:
         room = self.max_model_len - num_prompt
+        if params.max_tokens == 0 and room >= 0:  # scoring a prompt needs no room for output
+            return 0
         if room < 1:
             raise ContextLengthError(
                 f"prompt has {num_prompt} tokens but the context holds {self.max_model_len}: "
@@ -150,6 +153,33 @@ class LLMEngine:
         self.structured.compile(params)
         return ids
 
+    # ----------------------------------------------------------- embeddings
+    def embedding_token_ids(self, inputs: Sequence[Prompt]) -> list[list[int]]:
+        """Validated token ids of embedding inputs (text or ids); ValueError naming the bad input."""
+        if not self.backend.supports_embeddings:
+            raise ValueError(f"the {self.backend.name!r} backend cannot compute embeddings")
+        if isinstance(inputs, str) or not inputs:
+            raise ValueError("embedding inputs must be a non-empty list of texts or token-id lists")
+        limit = self.backend.embedding_max_tokens
+        token_ids = []
+        for i, item in enumerate(inputs):
+            try:
+                ids = self.tokenize_prompt(item)
+            except (ValueError, TypeError) as err:
+                raise ValueError(f"input {i}: {err}") from None
+            if len(ids) > limit:
+                raise ValueError(f"input {i} has {len(ids)} tokens but an embedding input holds at most {limit}: "
+                                 "shorten it or raise embedding_batch_tokens")
+            token_ids.append(ids)
+        return token_ids
+
+    def embed_token_ids(self, token_ids: Sequence[list[int]]) -> list[EmbeddingOutput]:
+        """Embeddings of already validated inputs, several per forward pass; L2-normalised."""
+        vectors = self.backend.embed(token_ids).astype(np.float32)
+        norms = np.linalg.norm(vectors, axis=1, keepdims=True)
+        vectors /= np.maximum(norms, np.finfo(np.float32).tiny)
+        return [EmbeddingOutput(v.tolist(), list(ids)) for v, ids in zip(vectors, token_ids)]
+
     def has_room_for(self, num_sequences: int) -> bool:
         """Whether the waiting queue can take ``num_sequences`` more sequences now."""
         return self.scheduler.num_waiting + num_sequences <= self.config.scheduler.max_waiting
@@ -168,8 +198,10 @@ class LLMEngine:
         seed = params.seed + index if params.seed is not None else int(self._seed_source.integers(1 << 62))
         # OpenAI seeds are int64 and may be negative; numpy takes non-negative ints: wrap to 64 bits.
         self._rngs[rid] = np.random.default_rng(seed % (1 << 64))
+        # Prompt logprobs are the same for every choice: only the first one scores the prompt.
         return Request(rid, list(ids), params, max_tokens, priority=priority, arrival_time=now,
-                       deadline=now + timeout if timeout else None, eos_token_ids=self.tokenizer.eos_token_ids)
+                       deadline=now + timeout if timeout else None, eos_token_ids=self.tokenizer.eos_token_ids,
+                       scores_prompt=index == 0 and params.prompt_logprobs is not None)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Abort a request (all its choices); returns its final output, or None if unknown."""
@@ -234,7 +266,16 @@ class LLMEngine:
             pos += range(c.start, c.start + c.num_tokens)
             seqs += [c.request.request_id] * c.num_tokens
         wanted = [c.request.request_id for c in chunks if c.sample]
-        return self.backend.forward_batch(flat, pos, seqs, logits_for=wanted)
+        scored = [c for c in chunks if c.request.needs_prompt_logits]
+        if not scored:
+            return self.backend.forward_batch(flat, pos, seqs, logits_for=wanted)
+        logits = self.backend.forward_batch(flat, pos, seqs, logits_for=wanted,
+                                            all_logits_for=[c.request.request_id for c in scored])
+        row = len(wanted)
+        for c in scored:
+            score_prompt_chunk(c.request, c.start, logits[row:row + c.num_tokens], self.tokenizer)
+            row += c.num_tokens
+        return logits[:len(wanted)]
 
     def _forward_one_by_one(self, chunks: list[ScheduledChunk],
                             touched: dict[str, RequestGroup]) -> tuple[np.ndarray, list[Request]]:
@@ -273,6 +314,9 @@ class LLMEngine:
             if self.structured.accept(req) and req.status is RequestStatus.RUNNING:
                 self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)  # the grammar is complete
             touched[group.group_id] = group
+        for chunk in out.chunks:  # requests that ended without a token (max_tokens=0 scores the prompt only)
+            if chunk.request.status.is_finished:
+                self._touch(touched, chunk.request)
         self._generated_tokens += len(by_id)
         self._rate.add(len(by_id), now)
 

@@ -66,8 +66,11 @@ class RequestGroup:
             cached_tokens=first.num_cached_tokens or 0,
         )
         errors = [c.error for c in self.children if c.error]
+        prompt_logprobs = None
+        if first.scores_prompt and not first.needs_prompt_logits:
+            prompt_logprobs = list(first.prompt_logprobs)
         return RequestOutput(self.group_id, self.prompt, list(first.prompt_token_ids), choices,
-                             self.finished, usage, first.metrics, errors[0] if errors else None)
+                             self.finished, usage, first.metrics, errors[0] if errors else None, prompt_logprobs)
 
     def _choice(self, i: int) -> CompletionOutput:
         child, detok = self.children[i], self._detoks[i]

@@ -37,6 +37,7 @@ class SamplingParams:
     grammar: str | None = None  # a GBNF / EBNF grammar (llama-server's `grammar`), rule `root` first
     regex: str | None = None  # a regular expression the whole output matches
     choice: list[str] | None = None  # the output is exactly one of these strings
+    prompt_logprobs: int | None = None  # None = off; k >= 0 returns each prompt token's logprob (first: None) and k top alternatives
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -51,7 +52,10 @@ class SamplingParams:
         self.validate()
 
     def validate(self) -> None:
-        _check(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1), "max_tokens", self.max_tokens, "an integer >= 1 or None")
+        # max_tokens=0 only scores the prompt (evaluation harnesses: echo + logprobs), so it needs prompt_logprobs.
+        least = 0 if self.prompt_logprobs is not None else 1
+        _check(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= least), "max_tokens", self.max_tokens,
+               "an integer >= 1 or None (0 only with prompt_logprobs)")
         _check(_finite(self.temperature) and 0 <= self.temperature <= 100, "temperature", self.temperature, "a number in [0, 100]")
         _check(_is_int(self.top_k) and self.top_k >= 0, "top_k", self.top_k, "an integer >= 0 (or -1 for off)")
         _check(_finite(self.top_p) and 0 < self.top_p <= 1, "top_p", self.top_p, "a number in (0, 1]")
@@ -67,6 +71,7 @@ class SamplingParams:
         _check(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens", self.min_tokens, f"at most max_tokens ({self.max_tokens})")
         _check(_is_int(self.n) and 1 <= self.n <= 128, "n", self.n, "an integer in [1, 128]")
         _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= 20), "logprobs", self.logprobs, "an integer in [0, 20] or None")
+        _check(self.prompt_logprobs is None or (_is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= 20), "prompt_logprobs", self.prompt_logprobs, "an integer in [0, 20] or None")
         _check(all(k >= 0 and _finite(v) and -100 <= v <= 100 for k, v in self.logit_bias.items()), "logit_bias", self.logit_bias, "token ids >= 0 mapped to numbers in [-100, 100]")
         self._validate_constraint()
 

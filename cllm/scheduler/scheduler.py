@@ -178,7 +178,10 @@ class Scheduler:
 
     def _try_admit(self, req: Request, budget: int) -> int | None:
         """Give the request a backend place and KV for its first chunk; the chunk's size, or None."""
-        admission = self.backend.admit(req.request_id, req.all_token_ids)
+        if req.needs_prompt_logits:  # every prompt token must be evaluated to be scored: no cache hit
+            admission = self.backend.admit(req.request_id, req.all_token_ids, reuse_prefix=False)
+        else:
+            admission = self.backend.admit(req.request_id, req.all_token_ids)
         if admission is None:
             self._refused = _RefusedAdmission(req, self._release_epoch, budget)
             return None
@@ -245,7 +248,8 @@ class Scheduler:
         if req.metrics.first_scheduled_time is None:
             req.metrics.first_scheduled_time = time.monotonic()
         end = req.num_computed_tokens + n
-        return ScheduledChunk(req, req.num_computed_tokens, n, sample=end == req.num_tokens)
+        # max_tokens=0 (score the prompt only) never samples: the request ends when its prompt is evaluated.
+        return ScheduledChunk(req, req.num_computed_tokens, n, sample=end == req.num_tokens and req.max_tokens > 0)
 
     # --------------------------------------------------------------- update
     def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
@@ -256,6 +260,9 @@ class Scheduler:
             if req.status != RequestStatus.RUNNING:
                 continue  # finished during the step (abort)
             req.num_computed_tokens += chunk.num_tokens
+            if req.max_tokens == 0 and req.num_computed_tokens >= req.num_tokens:
+                self.finish(req, RequestStatus.FINISHED_LENGTH)
+                continue
             token = sampled.get(req.request_id)
             if chunk.sample and token is not None:
                 req.output_token_ids.append(token)

@@ -4,16 +4,19 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import Response
 
+from cllm.backends.base import Tokenizer
 from cllm.outputs import RequestOutput
 from cllm.server.access_log import access_record
 from cllm.server.errors import bad_request, reject_unsupported
 from cllm.server.generation import GenerationStream, Prompt
-from cllm.server.logprobs import completion_logprobs
+from cllm.server.echo import echo_of
+from cllm.server.logprobs import completion_logprobs, concat_logprobs
 from cllm.server.protocol import CompletionChoice, CompletionRequest, CompletionResponse, UsageInfo
 from cllm.server.sampling import build_sampling_params
 from cllm.server.serving import ResponseMeta, respond, total_usage
@@ -49,13 +52,23 @@ def prompts_of(prompt: str | list[str] | list[int] | list[list[int]], vocab_size
     return [p if isinstance(p, str) else _check_tokens(p, vocab_size) for p in prompt]  # type: ignore[misc]
 
 
+@dataclass(slots=True, frozen=True)
+class EchoSpec:
+    """How a request with ``echo: true`` echoes its prompts."""
+
+    tokenizer: Tokenizer  # decodes token prompts and the null-logprob first token
+    logprobs: int | None  # the request's logprobs (None: echo the text only)
+
+
 class CompletionFormatter:
     """SSE chunks for /v1/completions; one chunk per choice with news."""
 
-    def __init__(self, meta: ResponseMeta, n: int, logprobs: bool) -> None:
+    def __init__(self, meta: ResponseMeta, n: int, logprobs: bool, echo: EchoSpec | None = None) -> None:
         self._meta = meta
         self._n = n
         self._logprobs = logprobs
+        self._echo = echo
+        self._echo_chars: dict[int, int] = {}  # choice index -> length of its echoed prompt (sent in its first chunk)
         self._finished: set[int] = set()  # choices whose finish_reason was sent
 
     def prelude(self) -> Iterable[bytes]:
@@ -72,7 +85,16 @@ class CompletionFormatter:
                 continue
             if reason:
                 self._finished.add(index)
-            choice = CompletionChoice(index=index, text=o.text_delta, logprobs=logprobs, finish_reason=reason)
+            prefix = ""
+            if self._echo is not None and index not in self._echo_chars:
+                echo = echo_of(out, self._echo.tokenizer, logprobs=self._echo.logprobs)
+                prefix = echo.text
+                self._echo_chars[index] = len(prefix)
+                if echo.logprobs is not None:
+                    logprobs = concat_logprobs(echo.logprobs, logprobs or completion_logprobs([]), shift=len(prefix))
+            elif logprobs is not None and index in self._echo_chars:  # output offsets count the echoed prompt
+                logprobs = concat_logprobs(completion_logprobs([]), logprobs, shift=self._echo_chars[index])
+            choice = CompletionChoice(index=index, text=prefix + o.text_delta, logprobs=logprobs, finish_reason=reason)
             yield sse_model(self._chunk([choice]))
 
     def usage_chunk(self, usage: UsageInfo) -> bytes:
@@ -83,18 +105,18 @@ class CompletionFormatter:
         return CompletionResponse(id=m.id, created=m.created, model=m.model, choices=choices, usage=usage)
 
 
-def build_completion(meta: ResponseMeta, finals: list[RequestOutput], n: int, logprobs: bool) -> CompletionResponse:
+def build_completion(meta: ResponseMeta, finals: list[RequestOutput], n: int, logprobs: bool,
+                     echo: EchoSpec | None = None) -> CompletionResponse:
     """The non-streaming response body."""
-    choices = [
-        CompletionChoice(
-            index=p * n + o.index,
-            text=o.text,
-            logprobs=completion_logprobs(o.logprobs or []) if logprobs else None,
-            finish_reason=o.finish_reason,
-        )
-        for p, final in enumerate(finals)
-        for o in final.outputs
-    ]
+    choices = []
+    for p, final in enumerate(finals):
+        echoed = echo_of(final, echo.tokenizer, logprobs=echo.logprobs) if echo is not None else None
+        for o in final.outputs:
+            lp = completion_logprobs(o.logprobs or []) if logprobs else None
+            if echoed is not None and echoed.logprobs is not None:
+                lp = concat_logprobs(echoed.logprobs, lp or completion_logprobs([]), shift=len(echoed.text))
+            text = o.text if echoed is None else echoed.text + o.text
+            choices.append(CompletionChoice(index=p * n + o.index, text=text, logprobs=lp, finish_reason=o.finish_reason))
     return CompletionResponse(
         id=meta.id, created=meta.created, model=meta.model, choices=choices, usage=total_usage(finals)
     )
@@ -109,7 +131,12 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     # Checking a long token-id prompt is a Python loop over it: off the event loop (issue 9 defect 17).
     prompts = await run_in_threadpool(prompts_of, body.prompt, model.limits.vocab_size)
     max_tokens = DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
-    params = build_sampling_params(body, max_tokens=max_tokens, logprobs=body.logprobs, limits=model.limits)
+    # echo scores the prompt; max_tokens=0 with echo (score only) needs prompt logprobs even without logprobs.
+    prompt_logprobs = None
+    if body.echo:
+        prompt_logprobs = body.logprobs if body.logprobs is not None else (0 if max_tokens == 0 else None)
+    params = build_sampling_params(body, max_tokens=max_tokens, logprobs=body.logprobs, limits=model.limits,
+                                   prompt_logprobs=prompt_logprobs)
     meta = ResponseMeta(id=f"cmpl-{uuid.uuid4().hex}", created=int(time.time()), model=model.name)
     record = access_record(request)
     if record is not None:
@@ -120,9 +147,10 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
         metrics=state.metrics, record=record, prompt_param="prompt", lease=lease,
     )
     wants_logprobs = body.logprobs is not None
+    echo = EchoSpec(model.engine.tokenizer, body.logprobs) if body.echo else None
     return await respond(
         request, stream, meta=meta, wants_stream=body.wants_stream, include_usage=body.include_usage,
         keepalive_s=state.config.server.sse_keepalive_s,
-        formatter=lambda: CompletionFormatter(meta, params.n, wants_logprobs),
-        build=lambda finals: build_completion(meta, finals, params.n, wants_logprobs),
+        formatter=lambda: CompletionFormatter(meta, params.n, wants_logprobs, echo),
+        build=lambda finals: build_completion(meta, finals, params.n, wants_logprobs, echo),
     )

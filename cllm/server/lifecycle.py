@@ -29,11 +29,11 @@ def _construct_engine(config: CllmConfig) -> Any:
     return AsyncLLM(config=config)
 
 
-def _served_name(config: CllmConfig, engine: Any) -> str:
+def _served_names(config: CllmConfig, engine: Any) -> tuple[str, ...]:
     if config.server.served_model_name:
-        return config.server.served_model_name
+        return tuple(config.server.served_model_name)
     name = getattr(engine, "model_name", None)
-    return str(name) if name else Path(str(config.model.model or "model")).stem
+    return (str(name) if name else Path(str(config.model.model or "model")).stem,)
 
 
 def attach_engine(state: ServerState, engine: Any) -> None:
@@ -44,8 +44,9 @@ def attach_engine(state: ServerState, engine: Any) -> None:
         max_n=state.config.server.max_n,
         vocab_size=engine.tokenizer.vocab_size,
     )
+    names = _served_names(state.config, engine)
     state.loaded = LoadedModel(
-        engine=engine, name=_served_name(state.config, engine), limits=limits, max_model_len=engine.max_model_len
+        engine=engine, name=names[0], limits=limits, max_model_len=engine.max_model_len, aliases=names
     )
     if state.phase is Phase.DRAINING:
         begin_drain(state)

@@ -1,8 +1,10 @@
 """Engine TokenLogprobs in the two OpenAI shapes (legacy completions, chat)."""
 from __future__ import annotations
 
+import codecs
 from collections.abc import Sequence
 
+from cllm.backends.base import Tokenizer
 from cllm.outputs import TokenLogprob
 from cllm.server.protocol import ChatChoiceLogprobs, ChatTokenLogprob, ChatTopLogprob, CompletionLogprobs
 
@@ -24,6 +26,39 @@ def completion_logprobs(entries: Sequence[TokenLogprob]) -> CompletionLogprobs:
         result.top_logprobs.append(top)
         result.text_offset.append(entry.text_offset)
     return result
+
+
+def prompt_logprobs(entries: Sequence[TokenLogprob | None], prompt_ids: Sequence[int], tokenizer: Tokenizer,
+                    with_top: bool) -> CompletionLogprobs:
+    """Echoed prompt tokens' logprobs for ``/v1/completions`` (a None entry: no context, null logprob).
+
+    ``text_offset`` counts the characters the prompt's bytes before each token decode to, so a token
+    that only starts a UTF-8 character shares its offset with the next one (as for output tokens).
+    """
+    result = CompletionLogprobs()
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    offset = 0
+    for token_id, entry in zip(prompt_ids, entries):
+        result.tokens.append(tokenizer.decode([token_id]) if entry is None else entry.token)
+        result.token_logprobs.append(None if entry is None else entry.logprob)
+        top = None
+        if entry is not None and with_top:
+            top = {alt.token: alt.logprob for alt in entry.top}
+            top.setdefault(entry.token, entry.logprob)
+        result.top_logprobs.append(top)
+        result.text_offset.append(offset)
+        offset += len(decoder.decode(tokenizer.token_bytes(token_id)))
+    return result
+
+
+def concat_logprobs(first: CompletionLogprobs, second: CompletionLogprobs, *, shift: int) -> CompletionLogprobs:
+    """``second`` appended after ``first``, its text offsets moved ``shift`` characters on (the echoed prompt)."""
+    return CompletionLogprobs(
+        tokens=first.tokens + second.tokens,
+        token_logprobs=first.token_logprobs + second.token_logprobs,
+        top_logprobs=first.top_logprobs + second.top_logprobs,
+        text_offset=first.text_offset + [o + shift for o in second.text_offset],
+    )
 
 
 def chat_logprobs(entries: Sequence[TokenLogprob]) -> ChatChoiceLogprobs:

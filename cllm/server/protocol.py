@@ -3,7 +3,7 @@
 Requests validate strictly (``"n": "2"`` or ``"stream": "yes"`` are type
 errors, as on api.openai.com) but ignore fields we do not know, so clients that
 send extra OpenAI fields keep working; fields we know and cannot honour (legacy
-``functions``, echo, suffix …) are listed by ``unsupported()`` and refused with 400.
+``functions``, suffix …) are listed by ``unsupported()`` and refused with 400.
 Values are range-checked where they become SamplingParams, which names the bad
 parameter.
 """
@@ -89,8 +89,6 @@ class CompletionRequest(GenerationRequest):
     suffix: str | None = None
 
     def unsupported(self) -> tuple[str, str] | None:
-        if self.echo:
-            return "echo", "echo is not supported"
         if self.suffix:
             return "suffix", "suffix (insertion) is not supported"
         return super().unsupported()
@@ -196,11 +194,12 @@ class UsageInfo(_Response):
 
 
 class CompletionLogprobs(_Response):
-    """Legacy completions logprobs: parallel lists, one entry per output token."""
+    """Legacy completions logprobs: parallel lists, one entry per token (with echo: prompt tokens first,
+    the first of them null, as it has no context)."""
 
     tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[float] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
     text_offset: list[int] = Field(default_factory=list)
 
 

@@ -12,6 +12,7 @@ from starlette.responses import Response
 
 from cllm.server.chat import create_chat_completion, render_chat
 from cllm.server.completions import create_completion
+from cllm.server.embeddings import create_embeddings
 from cllm.server.errors import bad_request
 from cllm.server.metrics import CONTENT_TYPE
 from cllm.server.protocol import (
@@ -31,16 +32,18 @@ def _as_dict(obj: Any) -> Any:
 
 
 async def list_models(request: Request) -> ModelList:
-    model = get_state(request).require_loaded()
-    card = ModelCard(id=model.name, created=get_state(request).started_at, max_model_len=model.max_model_len)
-    return ModelList(data=[card])
+    """One card per served alias (the primary name first)."""
+    state = get_state(request)
+    model = state.require_loaded()
+    names = model.aliases or (model.name,)
+    return ModelList(data=[ModelCard(id=n, created=state.started_at, max_model_len=model.max_model_len) for n in names])
 
 
 async def get_model(model_id: str, request: Request) -> ModelCard:
     state = get_state(request)
     model = state.require_loaded()
     state.check_model(model_id, param="model_id")
-    return ModelCard(id=model.name, created=state.started_at, max_model_len=model.max_model_len)
+    return ModelCard(id=model_id, created=state.started_at, max_model_len=model.max_model_len)
 
 
 async def engine_state(request: Request) -> dict[str, Any]:
@@ -103,6 +106,7 @@ def _openai_router() -> APIRouter:
     router = APIRouter(prefix="/v1")
     router.add_api_route("/completions", create_completion, methods=["POST"], response_model=None)
     router.add_api_route("/chat/completions", create_chat_completion, methods=["POST"], response_model=None)
+    router.add_api_route("/embeddings", create_embeddings, methods=["POST"], response_model=None)
     router.add_api_route("/models", list_models, methods=["GET"])
     router.add_api_route("/models/{model_id:path}", get_model, methods=["GET"])
     router.add_api_route("/engine", engine_state, methods=["GET"])
@@ -125,6 +129,6 @@ def routers() -> list[APIRouter]:
 
 # Routes whose path is a fixed string, for the metrics' route label (anything else is "other").
 KNOWN_PATHS = frozenset({
-    "/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/engine",
+    "/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/models", "/v1/engine",
     "/health", "/metrics", "/tokenize", "/detokenize",
 })

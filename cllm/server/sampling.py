@@ -42,6 +42,7 @@ def _check_caps(req: GenerationRequest, max_tokens: int | None, limits: RequestL
 def build_sampling_params(
     req: GenerationRequest, *, max_tokens: int | None, logprobs: int | None, limits: RequestLimits,
     constraint: dict[str, Any] | None = None,
+    prompt_logprobs: int | None = None,
 ) -> SamplingParams:
     """SamplingParams from a request; APIError(400) naming the parameter on any bad value.
 
@@ -76,6 +77,7 @@ def build_sampling_params(
             logprobs=logprobs,
             include_stop_str_in_output=bool(req.include_stop_str_in_output),
             **own, **(constraint or {}),
+            prompt_logprobs=prompt_logprobs,
         )
         params.check_vocab(limits.vocab_size)
     except APIError:

@@ -34,6 +34,7 @@ class LoadedModel:
     name: str  # served model id
     limits: RequestLimits  # request caps
     max_model_len: int  # longest prompt + output
+    aliases: tuple[str, ...] = ()  # every name the model answers to (name first); /v1/models lists them
 
 
 @dataclass(slots=True, eq=False)
@@ -88,13 +89,15 @@ class ServerState:
         return APIError(503, message, code=code, headers=headers)
 
     def check_model(self, requested: str | None, *, param: str = "model") -> None:
-        """A request's ``model`` must be omitted or name the served model; 404 model_not_found otherwise."""
-        served = self.loaded.name if self.loaded is not None else None
-        if not requested or requested == served:
+        """A request's ``model`` must be omitted or name a served alias (any name with accept_any_model);
+        404 model_not_found otherwise."""
+        names = (self.loaded.aliases or (self.loaded.name,)) if self.loaded is not None else ()
+        if not requested or requested in names or self.config.server.accept_any_model:
             return
+        served = ", ".join(repr(n) for n in names)
         raise APIError(
             404,
-            f"the model {requested!r} does not exist; this server serves {served!r}",
+            f"the model {requested!r} does not exist; this server serves {served}",
             param=param,
             code="model_not_found",
         )

@@ -33,9 +33,10 @@ class FaultyLlamaCppBackend(LlamaCppBackend):
         self._fail_this_decode = False
 
     def forward_batch(self, flat_ids: Sequence[int], positions: Sequence[int], sequence_ids: Sequence[str],
-                      *, logits_for: Sequence[str] | None = None) -> np.ndarray:
+                      *, logits_for: Sequence[str] | None = None, all_logits_for: Sequence[str] = ()) -> np.ndarray:
         self._fail_this_decode = bool(self.poisoned.intersection(sequence_ids))
-        return super().forward_batch(flat_ids, positions, sequence_ids, logits_for=logits_for)
+        return super().forward_batch(flat_ids, positions, sequence_ids, logits_for=logits_for,
+                                     all_logits_for=all_logits_for)
 
     def _run_decode(self) -> int:
         if self._fail_this_decode:

@@ -386,7 +386,7 @@ INVALID: list[tuple[str, str, Any, int, str | None, str | None]] = [
     ("token outside vocab", C, {"prompt": [999999999]}, 400, "prompt", None),
     ("prompt longer than context", C, {"prompt": "hello " * 2000}, 400, "prompt", "context_length_exceeded"),
     ("prompt + max_tokens over context", C, {"prompt": "hello " * 600, "max_tokens": 1000}, 400, "prompt", "context_length_exceeded"),
-    ("echo unsupported", C, {"prompt": "x", "echo": True}, 400, "echo", "unsupported_parameter"),
+    ("suffix unsupported", C, {"prompt": "x", "suffix": "y"}, 400, "suffix", "unsupported_parameter"),
     ("missing messages", CH, {"max_tokens": 3}, 400, "messages", None),
     ("empty messages", CH, {"messages": []}, 400, "messages", None),
     ("bad role", CH, {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages.0.role", None),

@@ -57,6 +57,7 @@ class FakeBackend(Backend):
     name = "fake"
     supports_prefix_cache = False
     supports_state_swap = True
+    supports_embeddings = True
 
     def __init__(self, *, slots: int = 4, kv_tokens: int = 10_000, max_batch_tokens: int = 64,
                  max_model_len: int = 4096) -> None:
@@ -68,6 +69,8 @@ class FakeBackend(Backend):
         self.fail_when: set[str] = set()  # sequences whose batches fail
         self.released: list[str] = []
         self.dropped_cache: list[str] = []  # released with keep_cache=False
+        self.no_reuse: list[str] = []  # admitted with reuse_prefix=False
+        self.embed_calls: list[list[list[int]]] = []  # inputs of each embed() call
 
     @property
     def capacity(self) -> BackendCapacity:
@@ -77,9 +80,11 @@ class FakeBackend(Backend):
     def tokenizer(self) -> Tokenizer:
         return self._tok
 
-    def admit(self, sequence_id: str, token_ids: Sequence[int]) -> Admission | None:
+    def admit(self, sequence_id: str, token_ids: Sequence[int], *, reuse_prefix: bool = True) -> Admission | None:
         if len(self.held) >= self._cap.max_num_seqs:
             return None
+        if not reuse_prefix:
+            self.no_reuse.append(sequence_id)
         self.held[sequence_id] = 0
         self.kv[sequence_id] = []
         return Admission(0)
@@ -91,7 +96,7 @@ class FakeBackend(Backend):
         self.held[sequence_id] = max(self.held[sequence_id], num_tokens)
         return True
 
-    def forward_batch(self, flat_ids, positions, sequence_ids, *, logits_for=None) -> np.ndarray:
+    def forward_batch(self, flat_ids, positions, sequence_ids, *, logits_for=None, all_logits_for=()) -> np.ndarray:
         self.batches.append((list(flat_ids), list(positions), list(sequence_ids)))
         if self.fail_when & set(sequence_ids):
             raise BackendError("injected failure", sorted(set(sequence_ids)))
@@ -101,9 +106,11 @@ class FakeBackend(Backend):
             self.kv[sid].append(tok)
             last[sid] = tok
         wanted = list(last) if logits_for is None else list(logits_for)
-        out = np.zeros((len(wanted), VOCAB), dtype=np.float32)
-        for i, sid in enumerate(wanted):
-            out[i, (last[sid] + 1) % VOCAB] = 10.0
+        # all_logits_for: one row per token of those sequences, after the last-token rows.
+        every = [tok for sid in all_logits_for for tok, s in zip(flat_ids, sequence_ids) if s == sid]
+        out = np.zeros((len(wanted) + len(every), VOCAB), dtype=np.float32)
+        for i, tok in enumerate([last[sid] for sid in wanted] + every):
+            out[i, (tok + 1) % VOCAB] = 10.0
         return out
 
     def release(self, sequence_id: str, *, keep_cache: bool = True) -> None:
@@ -115,6 +122,18 @@ class FakeBackend(Backend):
 
     def num_free_slots(self) -> int:
         return self._cap.max_num_seqs - len(self.held)
+
+    @property
+    def embedding_max_tokens(self) -> int:
+        return 8
+
+    def embed(self, inputs: Sequence[Sequence[int]]) -> np.ndarray:
+        """Token counts per id (a bag of words), so equal inputs give equal vectors."""
+        self.embed_calls.append([list(x) for x in inputs])
+        out = np.zeros((len(inputs), VOCAB), dtype=np.float32)
+        for row, ids in zip(out, inputs):
+            np.add.at(row, list(ids), 1.0)
+        return out
 
     def save_state(self, sequence_id: str) -> bytes:
         return bytes(self.kv[sequence_id])

@@ -25,6 +25,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from cllm.backends.base import Admission, Backend, BackendCapacity, BackendError, KVCacheFullError, Tokenizer
+from cllm.backends.llama_cpp.embedder import LlamaEmbedder
 from cllm.backends.llama_cpp.native import LlamaBatchBuffer, LlamaContextHandle, LlamaModelHandle
 from cllm.backends.llama_cpp.offload import kv_cache_type, resolve_gpu_layers
 from cllm.backends.llama_cpp.slot_pool import SeqSlotPool, Slot
@@ -45,6 +46,7 @@ class LlamaCppBackend(Backend):
     name = "llama_cpp"
     supports_prefix_cache = True
     supports_state_swap = True
+    supports_embeddings = True
 
     def __init__(self, config: CllmConfig) -> None:
         m, lc = config.model, config.llama_cpp
@@ -72,6 +74,9 @@ class LlamaCppBackend(Backend):
             kv_tokens=self._ctx.n_ctx,
         )
         self.model_path = path
+        self._embedding_config = config.embeddings
+        self._n_threads = m.n_threads or os.cpu_count() or 1
+        self._embedder: LlamaEmbedder | None = None  # its own context, made on first embed()
         self._queried_tokens = 0
         self._hit_tokens = 0
         # (queried, hit) of admissions not yet run: counted at the first decode, dropped on a rollback
@@ -104,10 +109,11 @@ class LlamaCppBackend(Backend):
         return (self._queried_tokens, self._hit_tokens)
 
     # ------------------------------------------------------------- admission
-    def admit(self, sequence_id: str, token_ids: Sequence[int]) -> Admission | None:
+    def admit(self, sequence_id: str, token_ids: Sequence[int], *, reuse_prefix: bool = True) -> Admission | None:
         tokens = list(token_ids)
         with self._pool.lock:
-            min_match = max(1, math.ceil(self._similarity * len(tokens))) if self._prefix_cache else 0
+            use_cache = self._prefix_cache and reuse_prefix
+            min_match = max(1, math.ceil(self._similarity * len(tokens))) if use_cache else 0
             choice = self._pool.choose(tokens, min_match=min_match)
             if choice is None:
                 return None
@@ -201,6 +207,7 @@ class LlamaCppBackend(Backend):
         sequence_ids: Sequence[str],
         *,
         logits_for: Sequence[str] | None = None,
+        all_logits_for: Sequence[str] = (),
     ) -> np.ndarray:
         n = len(flat_ids)
         if not (n == len(positions) == len(sequence_ids)) or n == 0:
@@ -208,8 +215,12 @@ class LlamaCppBackend(Backend):
         slots, last_row = self._map_sequences(sequence_ids)
         wanted = list(last_row) if logits_for is None else list(logits_for)
         rows = np.array([last_row[s] for s in wanted], dtype=np.int64)
+        if all_logits_for:
+            rows = np.concatenate([rows, _rows_of(sequence_ids, all_logits_for)])
+        # llama.cpp computes one output row per flagged token, in batch order (a token flagged twice counts once).
+        flagged = np.unique(rows)
         seq_arr = np.fromiter((slots[s].seq_id for s in sequence_ids), dtype=np.int32, count=n)
-        self._batch.fill(np.asarray(flat_ids, dtype=np.int32), np.asarray(positions, dtype=np.int32), seq_arr, rows)
+        self._batch.fill(np.asarray(flat_ids, dtype=np.int32), np.asarray(positions, dtype=np.int32), seq_arr, flagged)
         rc = self._run_decode()
         if rc == DECODE_NO_KV_SLOT:
             raise KVCacheFullError("llama_decode found no KV slot for the batch", list(slots))
@@ -219,9 +230,8 @@ class LlamaCppBackend(Backend):
         for tok, sid in zip(flat_ids, sequence_ids):
             slots[sid].tokens.append(int(tok))
         self._count_prefix_stats(slots)
-        # llama.cpp returns output rows in batch order; reorder (and copy) into logits_for order.
-        in_batch_order = np.sort(rows)
-        return self._ctx.output_logits(len(rows))[np.searchsorted(in_batch_order, rows)]
+        # Reorder (and copy) the batch-order output rows into the order asked for.
+        return self._ctx.output_logits(len(flagged))[np.searchsorted(flagged, rows)]
 
     def _count_prefix_stats(self, slots: dict[str, Slot]) -> None:
         """Count the prefix-cache stats of sequences that just ran for the first time since admission."""
@@ -249,6 +259,16 @@ class LlamaCppBackend(Backend):
         """One llama_decode of the filled batch; a subclass may wrap it (fault injection in tests)."""
         return self._ctx.decode(self._batch)
 
+    # ------------------------------------------------------------ embeddings
+    @property
+    def embedding_max_tokens(self) -> int:
+        return min(self._embedding_config.embedding_batch_tokens, self._model.n_ctx_train or 1 << 30)
+
+    def embed(self, inputs: Sequence[Sequence[int]]) -> np.ndarray:
+        if self._embedder is None:
+            self._embedder = LlamaEmbedder(model=self._model, config=self._embedding_config, n_threads=self._n_threads)
+        return self._embedder.embed(inputs)
+
     # ------------------------------------------------------------ swap state
     def save_state(self, sequence_id: str) -> bytes:
         return self._ctx.save_seq(self._owned(sequence_id).seq_id)
@@ -264,7 +284,16 @@ class LlamaCppBackend(Backend):
 
     def close(self) -> None:
         ctx, model = getattr(self, "_ctx", None), getattr(self, "_model", None)
+        embedder, self._embedder = getattr(self, "_embedder", None), None
+        if embedder is not None:
+            embedder.close()
         if ctx is not None:
             ctx.close()
         if model is not None:
             model.close()
+
+
+def _rows_of(sequence_ids: Sequence[str], wanted: Sequence[str]) -> np.ndarray:
+    """Batch rows of every token of the ``wanted`` sequences, grouped in ``wanted`` order."""
+    sids = np.asarray(sequence_ids, dtype=object)
+    return np.concatenate([np.flatnonzero(sids == s) for s in wanted]).astype(np.int64)

@@ -97,7 +97,8 @@ class LlamaContextHandle:
     def __init__(self, *, model: LlamaModelHandle, n_ctx: int, n_batch: int, n_ubatch: int,
                  n_seq_max: int, n_threads: int, flash_attn: bool, kv_unified: bool,
                  type_k: int = KV_CACHE_TYPES["f16"], type_v: int = KV_CACHE_TYPES["f16"],
-                 offload_kqv: bool = True) -> None:
+                 offload_kqv: bool = True, pooling_type: int | None = None) -> None:
+        """``pooling_type`` set: an embeddings context (llama.cpp pools each sequence's outputs)."""
         params = C.llama_context_default_params()
         params.n_ctx = n_ctx
         params.n_batch = n_batch
@@ -111,6 +112,9 @@ class LlamaContextHandle:
         params.type_k = type_k
         params.type_v = type_v
         params.offload_kqv = offload_kqv  # KV cache and attention ops on the GPU with the offloaded layers
+        if pooling_type is not None:
+            params.embeddings = True
+            params.pooling_type = pooling_type
         ptr = C.llama_init_from_model(model.ptr, params)
         if not ptr:
             raise RuntimeError(f"llama.cpp could not create a context (n_ctx={n_ctx}, n_seq_max={n_seq_max}): out of memory?")
@@ -118,6 +122,7 @@ class LlamaContextHandle:
         self.memory = C.llama_get_memory(ptr)
         self.n_ctx = C.llama_n_ctx(ptr)
         self.n_vocab = model.n_vocab
+        self.n_embd = C.llama_model_n_embd(model.ptr)
 
     def decode(self, batch: LlamaBatchBuffer) -> int:
         """llama_decode; returns its code (0 ok, 1 no KV slot, other = error)."""
@@ -129,6 +134,17 @@ class LlamaContextHandle:
         if not ptr:
             raise RuntimeError("llama.cpp returned no logits")
         return np.ctypeslib.as_array(ptr, shape=(n_outputs, self.n_vocab))
+
+    def seq_embedding(self, seq_id: int) -> np.ndarray:
+        """The pooled embedding of one sequence after the last decode (a copy)."""
+        ptr = C.llama_get_embeddings_seq(self.ptr, seq_id)
+        if not ptr:
+            raise RuntimeError(f"llama.cpp returned no pooled embedding for seq {seq_id} (pooling off?)")
+        return np.ctypeslib.as_array(ptr, shape=(self.n_embd,)).copy()
+
+    def clear_memory(self) -> None:
+        """Drop every sequence's KV (llama_memory_clear with data)."""
+        C.llama_memory_clear(self.memory, True)
 
     def seq_rm(self, seq_id: int, p0: int = -1, p1: int = -1) -> bool:
         return bool(C.llama_memory_seq_rm(self.memory, seq_id, p0, p1))

@@ -18,10 +18,12 @@ import numpy as np
 import torch
 
 from cllm.backends.base import Admission, Backend, BackendCapacity, BackendError, KVCacheFullError, Tokenizer
+from cllm.backends.packing import pack_inputs
 from cllm.backends.torch.attention import SeqChunk, attention_mode, build_attention_batch, slot_mapping
 from cllm.backends.torch.block_manager import BlockManager
 from cllm.backends.torch.cuda_graphs import DecodeGraphs, graph_buckets
 from cllm.backends.torch.device import resolve_device, resolve_dtype
+from cllm.backends.torch.embedding import pooled_hidden_states
 from cllm.backends.torch.flex import flex_function
 from cllm.backends.torch.kv_cache import KVCacheShape, PagedKVCache
 from cllm.backends.torch.loader import LoadedModel, ModelSpec, load_model
@@ -48,6 +50,7 @@ class TorchBackend(Backend):
     name = "torch"
     supports_prefix_cache = True
     supports_state_swap = True
+    supports_embeddings = True
 
     def __init__(self, config: CllmConfig) -> None:
         self.device = resolve_device(config.torch.device)
@@ -77,6 +80,7 @@ class TorchBackend(Backend):
             KVCacheShape(self.spec.num_layers, num_blocks + 1, block_size, self.spec.num_kv_heads, self.spec.head_dim),
             dtype=self.dtype, device=self.device, head_major=self._attention != "flash",
         )
+        self._embedding_config = config.embeddings
         self._capacity = BackendCapacity(
             max_num_seqs=max_seqs, max_batch_tokens=max_tokens, max_model_len=max_len, kv_tokens=num_blocks * block_size,
         )
@@ -128,10 +132,10 @@ class TorchBackend(Backend):
 
     # ----- contract: KV room ---------------------------------------------------------------
 
-    def admit(self, sequence_id: str, token_ids: Sequence[int]) -> Admission | None:
+    def admit(self, sequence_id: str, token_ids: Sequence[int], *, reuse_prefix: bool = True) -> Admission | None:
         if len(self.blocks) >= self._capacity.max_num_seqs:
             return None
-        return Admission(num_cached_tokens=self.blocks.admit(sequence_id, token_ids))
+        return Admission(num_cached_tokens=self.blocks.admit(sequence_id, token_ids, reuse_prefix=reuse_prefix))
 
     def reserve(self, sequence_id: str, num_tokens: int) -> bool:
         return self.blocks.reserve(sequence_id, num_tokens)
@@ -157,13 +161,15 @@ class TorchBackend(Backend):
         sequence_ids: Sequence[str],
         *,
         logits_for: Sequence[str] | None = None,
+        all_logits_for: Sequence[str] = (),
     ) -> np.ndarray:
-        """See :meth:`Backend.forward_batch`. Rows follow ``logits_for`` (default: first-appearance order)."""
+        """See :meth:`Backend.forward_batch`. Rows follow ``logits_for`` (default: first-appearance order),
+        then every row of the ``all_logits_for`` sequences (the LM head simply runs on more rows)."""
         ids = np.asarray(flat_ids, dtype=np.int64)
         pos = np.asarray(positions, dtype=np.int64)
         chunks = self._split(ids, pos, sequence_ids)
         wanted = [c.seq_id for c in chunks] if logits_for is None else list(logits_for)
-        rows = self._logit_rows(chunks, wanted)
+        rows = self._logit_rows(chunks, wanted) + self._all_rows(chunks, all_logits_for)
         self._ensure_room(chunks)
         try:
             logits = self._run(ids, pos, chunks, rows)
@@ -210,6 +216,14 @@ class TorchBackend(Backend):
             raise ValueError(f"logits_for names sequences with no tokens in this batch: {missing}")
         return [last_row[s] for s in wanted]
 
+    @staticmethod
+    def _all_rows(chunks: list[StepChunk], wanted: Sequence[str]) -> list[int]:
+        by_id = {c.seq_id: c for c in chunks}
+        missing = [s for s in wanted if s not in by_id]
+        if missing:
+            raise ValueError(f"all_logits_for names sequences with no tokens in this batch: {missing}")
+        return [row for s in wanted for row in range(by_id[s].row_start, by_id[s].row_end)]
+
     def _ensure_room(self, chunks: list[StepChunk]) -> None:
         """Grow block tables the scheduler did not reserve; KVCacheFullError if the pool is out."""
         for c in chunks:
@@ -244,6 +258,23 @@ class TorchBackend(Backend):
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(array).to(self.device)
+
+    # ----- optional: embeddings -----------------------------------------------------------
+
+    @property
+    def embedding_max_tokens(self) -> int:
+        return min(self._embedding_config.embedding_batch_tokens, self.spec.max_position_embeddings)
+
+    def embed(self, inputs: Sequence[Sequence[int]]) -> np.ndarray:
+        """Pooled hidden states (see :mod:`cllm.backends.torch.embedding`); auto pooling is mean here."""
+        cfg = self._embedding_config
+        pooling = "mean" if cfg.embedding_pooling == "auto" else cfg.embedding_pooling
+        out = np.empty((len(inputs), self.spec.hidden_size), dtype=np.float32)
+        groups = pack_inputs([len(x) for x in inputs], max_tokens=self.embedding_max_tokens,
+                             max_inputs=cfg.embedding_max_inputs)
+        for group in groups:
+            out[group.start:group.stop] = pooled_hidden_states(self.model, [inputs[i] for i in group], pooling, self.device)
+        return out
 
     # ----- optional: state swap ------------------------------------------------------------
 

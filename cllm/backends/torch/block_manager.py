@@ -110,8 +110,9 @@ class BlockManager:
 
     # ----- admission -------------------------------------------------------------------------
 
-    def admit(self, seq_id: str, token_ids: Sequence[int]) -> int:
-        """Start a sequence; share its longest cached prefix. Returns the cached token count.
+    def admit(self, seq_id: str, token_ids: Sequence[int], *, reuse_prefix: bool = True) -> int:
+        """Start a sequence; share its longest cached prefix (unless ``reuse_prefix`` is False).
+        Returns the cached token count.
 
         Only blocks lying entirely within the first ``len - 1`` tokens are
         matched: the last token is always recomputed (its logits are needed),
@@ -121,7 +122,7 @@ class BlockManager:
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id!r} is already admitted; release it first")
         seq = SequenceBlocks(token_ids=list(token_ids))
-        for block_id in self._match_prefix(seq.token_ids):
+        for block_id in self._match_prefix(seq.token_ids) if reuse_prefix else []:
             self._take(block_id)
             seq.block_ids.append(block_id)
         seq.chain = [self._blocks[b].block_hash for b in seq.block_ids]
