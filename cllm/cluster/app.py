@@ -59,13 +59,18 @@ def build_app(config: CllmConfig) -> Any:
     return ingress.bind(nested, engines, decoders)
 
 
-def start(config: CllmConfig) -> str:
-    """Start (or join) Ray and run the application; returns the endpoint's base URL."""
+def init_ray(config: CllmConfig) -> None:
+    """Join ``ray_address``, or start a local Ray instance; nothing if Ray is up in this process."""
     cluster = config.cluster
     if not ray.is_initialized():
         ray.init(address=cluster.ray_address, num_cpus=cluster.ray_num_cpus, namespace=NAMESPACE,
                  object_store_memory=cluster.ray_object_store_mb * 1024 * 1024 if cluster.ray_address is None else None,
                  include_dashboard=False, log_to_driver=False)
+
+
+def start(config: CllmConfig) -> str:
+    """Start (or join) Ray and run the application; returns the endpoint's base URL."""
+    init_ray(config)
     serve.start(http_options={"host": config.server.host, "port": config.server.port})
     serve.run(build_app(config), name=APP_NAME, route_prefix="/", blocking=False)
     return f"http://{config.server.host}:{config.server.port}"
@@ -90,13 +95,17 @@ def serve_ray(model: str | None = None, config: CllmConfig | str | None = None, 
     it returns the base URL at once (stop with ``cllm.cluster.app.stop()``).
     """
     cfg = make_config(config, {"model": model, **overrides})
+    stopped = threading.Event()
+    if blocking:
+        init_ray(cfg)
+        # After ray.init (which sets its own SIGTERM handler) and before the minute-long deployment, so a
+        # signal at any point from here shuts the application down gracefully.
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stopped.set())
     url = start(cfg)
-    log.info("cllm on Ray Serve at %s (%s)", url, cfg.cluster.pd or f"{cfg.cluster.replicas} replicas")
+    log.warning("cllm on Ray Serve at %s (%s)", url, cfg.cluster.pd or f"{cfg.cluster.replicas} replicas")
     if not blocking:
         return url
-    stopped = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stopped.set())
     stopped.wait()
     stop()
     serve.shutdown()
