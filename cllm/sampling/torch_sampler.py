@@ -2,7 +2,8 @@
 
 Same processing order as :mod:`cllm.sampling.sampler`: logit_bias, penalties,
 min_tokens suppression, logprobs (before temperature), then greedy argmax or
-temperature -> min_p -> top_k -> top_p -> inverse-CDF draw. The logits stay on
+temperature -> min_p -> top_k -> top_p -> inverse-CDF draw (over the kept tokens
+largest first when a row truncates, over the vocabulary in id order otherwise). The logits stay on
 their device; only the chosen ids (and, for rows that ask, their logprobs and
 top alternatives) come back to the host. What goes to the device per step is
 small: the biased / penalised token ids and one uniform number per sampled row.
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from cllm.sampling.params import SamplingParams
 from cllm.sampling.sampler import SampledToken, SamplingRow
 
 
@@ -74,7 +76,17 @@ def _apply_biases_and_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow
     blocked = [np.fromiter(r.stop_ids, dtype=np.int64) if len(r.output_token_ids) < r.params.min_tokens and r.stop_ids
                else np.empty(0, np.int64) for r in rows]
     if any(len(b) for b in blocked):
-        flat[_to(device, _flat_index(blocked, vocab))] = float("-inf")
+        _suppress_stop(logits, _to(device, _flat_index(blocked, vocab)))
+
+
+def _suppress_stop(logits: torch.Tensor, index: torch.Tensor) -> None:
+    """min_tokens: stop ids to -inf, except in a row a grammar left nothing else in (it must end)."""
+    flat = logits.view(-1)
+    saved = flat[index]
+    flat[index] = float("-inf")
+    dead = ~torch.isfinite(logits).any(dim=1)
+    restore = dead[index // logits.shape[1]]
+    flat[index] = torch.where(restore, saved, flat[index])
 
 
 def _apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
@@ -98,26 +110,38 @@ def _apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
 
 
 def _draw(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
-    """Temperature, min_p / top_k / top_p truncation, then one inverse-CDF draw per row."""
+    """Temperature, min_p / top_k / top_p truncation, then one inverse-CDF draw per row.
+
+    As the numpy sampler: a row that truncates walks its kept tokens largest first (ties by lower
+    id); a row that does not walks the whole vocabulary in id order.
+    """
     device, vocab = logits.device, logits.shape[1]
     temps = _to(device, np.array([r.params.temperature for r in rows], dtype=np.float32))[:, None]
     scaled = logits / temps
     scaled -= scaled.max(dim=1, keepdim=True).values
     probs = scaled.exp_()
     probs /= probs.sum(dim=1, keepdim=True)
-    probs = _truncate(probs, rows)
-    probs /= probs.sum(dim=1, keepdim=True)
+    kept, order = _truncate(probs, rows)
     u = _to(device, np.array([r.rng.random() for r in rows], dtype=np.float64)).to(torch.float32)[:, None]
-    cdf = probs.cumsum(dim=1)
-    picked = (cdf < u * cdf[:, -1:]).sum(dim=1)
-    return picked.clamp_(max=vocab - 1)
+    by_id = (probs.cumsum(dim=1) < u * probs.sum(dim=1, keepdim=True)).sum(dim=1).clamp_(max=vocab - 1)
+    cum = kept.cumsum(dim=1)
+    rank = (cum < u * cum[:, -1:]).sum(dim=1)
+    rank = torch.minimum(rank, (kept > 0).sum(dim=1) - 1).clamp_(min=0)
+    by_rank = order.gather(1, rank[:, None])[:, 0]
+    truncating = _to(device, np.array([_truncates(r.params, vocab) for r in rows]))
+    return torch.where(truncating, by_rank, by_id)
 
 
-def _truncate(probs: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+def _truncates(p: SamplingParams, vocab: int) -> bool:
+    """Whether a row keeps only some tokens (then it is drawn in probability order)."""
+    return bool(p.top_k and p.top_k < vocab) or p.top_p < 1.0 or p.min_p > 0
+
+
+def _truncate(probs: torch.Tensor, rows: Sequence[SamplingRow]) -> tuple[torch.Tensor, torch.Tensor]:
     """Zero tokens outside min_p, then top_k, then top_p (nucleus) — the numpy sampler's order.
 
-    One stable descending sort serves all three: each filter drops a suffix of that order
-    (everything below a threshold), so the order of what remains never changes.
+    One stable descending sort (ties: lower id first) serves all three: each filter drops a suffix
+    of that order (everything below a threshold), so the order of what remains never changes.
     """
     device, vocab = probs.device, probs.shape[1]
     params = [r.params for r in rows]
@@ -135,7 +159,7 @@ def _truncate(probs: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
         keep = torch.where(_to(device, top_p < 1.0)[:, None], keep, vocab)
         ranks = torch.arange(vocab, device=device)[None, :]
         sorted_probs = sorted_probs.masked_fill(ranks >= keep, 0.0)
-    return torch.zeros_like(probs).scatter_(1, order, sorted_probs)
+    return sorted_probs, order  # kept probabilities largest first (zeros after), and their token ids
 
 
 def _results(chosen: torch.Tensor, rows: Sequence[SamplingRow], logprob_rows: list[int],

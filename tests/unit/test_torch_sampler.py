@@ -87,16 +87,22 @@ def seeded_params() -> list[SamplingParams]:
 
 
 def cdf_distance(logits: np.ndarray, rows: list[SamplingRow], i: int, u: float) -> float:
-    """Distance of u to the nearest CDF boundary of row i's final (numpy) distribution, in float64."""
+    """Distance of u to the nearest CDF boundary of row i's final distribution, in float64, walked as
+    both samplers walk it: kept tokens largest first when the row truncates, else in id order."""
     x = logits[i : i + 1].copy()
     np_sampler._apply_biases_and_penalties(x, rows[i : i + 1])
     p = rows[i].params
     scaled = x[0].astype(np.float64) / p.temperature
     probs = np.exp(scaled - scaled.max())
     probs /= probs.sum()
-    probs32 = probs.astype(np.float32)
-    np_sampler._truncate(probs32, p)
-    cdf = np.cumsum(probs32.astype(np.float64))
+    kept = probs.astype(np.float32)
+    np_sampler._truncate(kept, p)
+    if torch_sampler._truncates(p, len(probs)):
+        ids = np.flatnonzero(kept > 0)
+        walk = probs[ids[np.lexsort((ids, -probs[ids]))]]
+    else:
+        walk = probs
+    cdf = np.cumsum(walk)
     cdf /= cdf[-1]
     return float(np.min(np.abs(cdf - u)))
 
@@ -172,3 +178,12 @@ def test_bad_logits_are_a_value_error(shape, dtype, text):
     rows = make_rows([SamplingParams(temperature=0)] * 3, [0, 1, 2], [[], [], []])
     with pytest.raises(ValueError, match=text):
         torch_sampler.sample(torch.zeros(shape, dtype=dtype), rows)
+
+
+def test_min_tokens_yields_when_a_grammar_allows_only_a_stop_token():
+    logits = np.full((2, VOCAB), -np.inf, dtype=np.float32)
+    logits[0, 3] = 1.0  # only the stop token is allowed: it must be taken despite min_tokens
+    logits[1, [3, 40]] = [5.0, 1.0]  # another token is allowed: the stop token is held back
+    params = [SamplingParams(temperature=0, min_tokens=4), SamplingParams(temperature=0, min_tokens=4)]
+    ref, got = both(logits, params, [0, 1], [[], []])
+    assert [g.token_id for g in got] == [r.token_id for r in ref] == [3, 40]
