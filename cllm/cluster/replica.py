@@ -62,10 +62,6 @@ class EngineReplica:
         if not self.engine.is_running:
             raise RuntimeError("the engine loop is not running")
 
-    def record_routing_stats(self) -> dict[str, Any]:
-        stats = self.engine.stats()
-        return {"num_running": stats.num_running, "num_waiting": stats.num_waiting, "kv_usage": stats.kv_usage}
-
     # ------------------------------------------------------------ requests
     async def generate(self, call: GenerateCall) -> AsyncIterator[RequestOutput | HandoffTicket]:
         """Stream a request's outputs; the last item is a HandoffTicket if it moves elsewhere."""
