@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import logging
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any
 
 import ray
@@ -28,7 +28,7 @@ from cllm.config import CllmConfig
 from cllm.engine.llm_engine import LLMEngine, Prompt
 from cllm.engine.stats import EngineStats, RunningRequestInfo
 from cllm.errors import EngineDeadError, QueueFullError
-from cllm.outputs import RequestOutput
+from cllm.outputs import EmbeddingOutput, RequestOutput
 from cllm.sampling.params import SamplingParams
 
 log = logging.getLogger("cllm.cluster")
@@ -136,6 +136,13 @@ class RemoteEngine:
             response = (self._decoders or self._engines).options(stream=True).resume.remote(ticket)
         raise EngineDeadError(f"request {call.request_id!r} was handed off more than {MAX_HOPS} times")
 
+    async def embed(self, inputs: Prompt | Sequence[Prompt]) -> list[EmbeddingOutput]:
+        """Embeddings from one replica (it batches concurrent calls itself)."""
+        if not self._accepting:
+            raise EngineDeadError("server is shutting down")
+        with _ray_errors():
+            return await self._engines.embed.remote(inputs)
+
     async def shutdown(self, grace_s: float = 0.0) -> None:
         self._accepting = False
         if self._poller is not None:
@@ -146,9 +153,21 @@ async def _relay(response: Any) -> AsyncIterator[Any]:
     """A replica's stream; Ray's errors become ours; closing it early cancels the replica's request."""
     done = False
     try:
-        async for item in response:
-            yield item
+        with _ray_errors():
+            async for item in response:
+                yield item
         done = True
+    finally:
+        if not done:
+            response.cancel()
+
+
+@contextlib.contextmanager
+def _ray_errors() -> Iterator[None]:
+    """A replica's own errors (bad input, full queue, dead engine) come out as raised there; a dead
+    replica becomes ReplicaDiedError."""
+    try:
+        yield
     except ray.exceptions.RayTaskError as err:
         cause = err.cause if isinstance(getattr(err, "cause", None), BaseException) else None
         if isinstance(cause, (ValueError, TypeError, EngineDeadError, QueueFullError)):
@@ -156,6 +175,3 @@ async def _relay(response: Any) -> AsyncIterator[Any]:
         raise
     except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as err:
         raise ReplicaDiedError(f"the replica serving this request died ({type(err).__name__}); retry it") from None
-    finally:
-        if not done:
-            response.cancel()

@@ -26,7 +26,7 @@ from cllm.config import CllmConfig
 from cllm.engine.async_llm import AsyncLLM
 from cllm.errors import RequestHandedOffError
 from cllm.handoff.transfer import KVReceiver
-from cllm.outputs import RequestOutput
+from cllm.outputs import EmbeddingOutput, RequestOutput
 
 log = logging.getLogger("cllm.cluster")
 STATS_PERIOD_S = 0.5
@@ -80,6 +80,10 @@ class EngineReplica:
         gen = self.engine.resume(ticket.snapshot, segments)
         async for item in self._relay(rid, gen, prefill_only=False):
             yield item
+
+    async def embed(self, inputs: Any) -> list[EmbeddingOutput]:
+        """Embeddings (AsyncLLM.embed)."""
+        return await self.engine.embed(inputs)
 
     async def _relay(self, rid: str, gen: AsyncIterator[RequestOutput],
                      prefill_only: bool) -> AsyncIterator[RequestOutput | HandoffTicket]:

@@ -157,6 +157,11 @@ def test_routes_streaming_errors_and_greedy_output(cluster, reference):
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_tokens"
     too_long = cluster.client.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 5000})
     assert too_long.status_code == 400
+    embedded = cluster.client.post(url + "/v1/embeddings", json={"input": ["a red apple", "a green pear"]})
+    assert embedded.status_code == 200, embedded.text
+    expected = reference.embed(["a red apple", "a green pear"])
+    for got, want in zip(embedded.json()["data"], expected):
+        assert got["embedding"] == pytest.approx(list(want.embedding), abs=1e-4)
 
 
 def test_prefix_affinity_routes_a_cached_prefix_to_its_replica(cluster):
