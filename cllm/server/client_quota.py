@@ -53,13 +53,15 @@ class ClientQuota:
         with self._lock:
             return self._in_flight.get(client, 0)
 
-    def admit(self, request: Request, *, num_sequences: int, priority: int | None) -> tuple[ClientLease, int]:
-        """Check one request; returns its lease on the client's share and the priority to queue it with."""
+    def admit(self, request: Request, *, num_sequences: int, priority: int | None,
+              param: str = "n") -> tuple[ClientLease, int]:
+        """Check one request; returns its lease on the client's share and the priority to queue it with.
+        ``param`` is the field a too-large request is told to shrink."""
         policy = self.policy
         if num_sequences > policy.max_sequences_per_request:
             raise bad_request(
                 f"request asks for {num_sequences} sequences (prompts x n): this server allows at most "
-                f"{policy.max_sequences_per_request} per request; split it", param="n", code="too_many_sequences")
+                f"{policy.max_sequences_per_request} per request; split it", param=param, code="too_many_sequences")
         if priority and not policy.allow_client_priority:
             raise bad_request(f"invalid priority={priority}: this server does not let clients set a priority "
                               "(allow_client_priority is off)", param="priority")

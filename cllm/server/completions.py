@@ -141,7 +141,8 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     record = access_record(request)
     if record is not None:
         record.request_id = meta.id
-    lease, priority = state.quota.admit(request, num_sequences=len(prompts) * params.n, priority=body.priority)
+    lease, priority = state.quota.admit(request, num_sequences=len(prompts) * params.n, priority=body.priority,
+                                        param="n" if params.n > 1 else "prompt")
     stream = GenerationStream(
         model.engine, prompts, params, request_id=meta.id, priority=priority,
         metrics=state.metrics, record=record, prompt_param="prompt", lease=lease,

@@ -24,6 +24,8 @@ def test_one_request_cannot_queue_more_than_its_share_of_sequences():
         chat = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "a"}], "n": 5,
                                                          "max_tokens": 2})
         assert chat.status_code == 400 and chat.json()["error"]["code"] == "too_many_sequences"
+        many = client.post("/v1/completions", json={"prompt": ["ab"] * 5, "max_tokens": 2})
+        assert many.status_code == 400 and many.json()["error"]["param"] == "prompt"
         ok = client.post("/v1/completions", json={"prompt": ["ab", "cd"], "n": 2, "max_tokens": 2})
         assert ok.status_code == 200 and len(ok.json()["choices"]) == 4
 
