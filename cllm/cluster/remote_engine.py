@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
@@ -21,6 +22,7 @@ import ray
 
 from cllm.backends.base import Tokenizer
 from cllm.cluster.calls import GenerateCall
+from cllm.cluster.errors import ReplicaDiedError, ReplicaDrainingError
 from cllm.cluster.prefix import prefix_keys
 from cllm.cluster.stats_board import ReplicaReport, aggregate
 from cllm.cluster.transport import HandoffTicket
@@ -33,11 +35,8 @@ from cllm.sampling.params import SamplingParams
 
 log = logging.getLogger("cllm.cluster")
 STATS_POLL_S = 0.5
-MAX_HOPS = 8  # a request handed off more often than this is failed (replicas draining in a loop)
-
-
-class ReplicaDiedError(EngineDeadError):
-    """The replica running a request died; only its requests fail (HTTP 503), and Serve replaces it."""
+MAX_HOPS = 8  # a request sent on more often than this is failed (replicas draining in a loop)
+DRAINING_RETRY_S = 0.2  # pause before sending a request on after it reached a draining replica
 
 
 def load_tokenizer(config: CllmConfig) -> Tokenizer:
@@ -120,21 +119,32 @@ class RemoteEngine:
         call = GenerateCall(request_id or f"req-{uuid.uuid4().hex[:16]}", prompt, params, priority, timeout_s,
                             prefix_keys(ids, self.config.cluster.route_block_tokens),
                             prefill_only=self._decoders is not None and params.n == 1)
-        response = self._engines.options(stream=True).generate.remote(call)
+        send = functools.partial(self._engines.options(stream=True).generate.remote, call)
         for _ in range(MAX_HOPS):
             ticket: HandoffTicket | None = None
-            async for item in _relay(response):
-                if on_queued is not None:
-                    on_queued()
-                    on_queued = None
-                if isinstance(item, HandoffTicket):
-                    ticket = item
-                else:
-                    yield item
+            started = False
+            try:
+                async for item in _relay(send()):
+                    started = True
+                    if on_queued is not None:
+                        on_queued()
+                        on_queued = None
+                    if isinstance(item, HandoffTicket):
+                        ticket = item
+                    else:
+                        yield item
+            except ReplicaDrainingError:
+                if started:
+                    raise
+                await asyncio.sleep(DRAINING_RETRY_S)  # Serve has not yet taken the replica out of routing
+                continue
             if ticket is None:
                 return
-            response = (self._decoders or self._engines).options(stream=True).resume.remote(ticket)
-        raise EngineDeadError(f"request {call.request_id!r} was handed off more than {MAX_HOPS} times")
+            send = functools.partial(self._resume, ticket)
+        raise EngineDeadError(f"request {call.request_id!r} was sent on more than {MAX_HOPS} times")
+
+    def _resume(self, ticket: HandoffTicket) -> Any:
+        return (self._decoders or self._engines).options(stream=True).resume.remote(ticket)
 
     async def embed(self, inputs: Prompt | Sequence[Prompt]) -> list[EmbeddingOutput]:
         """Embeddings from one replica (it batches concurrent calls itself)."""

@@ -20,6 +20,7 @@ from typing import Any
 import ray
 
 from cllm.cluster.calls import GenerateCall
+from cllm.cluster.errors import ReplicaDrainingError
 from cllm.cluster.stats_board import ReplicaReport, stats_board
 from cllm.cluster.transport import HandoffTicket, chunk_holder, publish, receive
 from cllm.config import CllmConfig
@@ -65,6 +66,7 @@ class EngineReplica:
     # ------------------------------------------------------------ requests
     async def generate(self, call: GenerateCall) -> AsyncIterator[RequestOutput | HandoffTicket]:
         """Stream a request's outputs; the last item is a HandoffTicket if it moves elsewhere."""
+        self._refuse_if_draining()
         gen = self.engine.generate(call.prompt, call.params, request_id=call.request_id, priority=call.priority,
                                    timeout_s=call.timeout_s)
         async for item in self._relay(call.request_id, gen, call.prefill_only):
@@ -72,6 +74,7 @@ class EngineReplica:
 
     async def resume(self, ticket: HandoffTicket) -> AsyncIterator[RequestOutput]:
         """Continue a request another replica handed off; streams from where it stopped there."""
+        self._refuse_if_draining()
         rid = ticket.snapshot.request_id
         receiver = self._receivers.setdefault(rid, KVReceiver(ticket.header))  # a retried call resumes it
         segments = await receive(ticket, receiver)
@@ -80,6 +83,10 @@ class EngineReplica:
         gen = self.engine.resume(ticket.snapshot, segments)
         async for item in self._relay(rid, gen, prefill_only=False):
             yield item
+
+    def _refuse_if_draining(self) -> None:
+        if self._draining:
+            raise ReplicaDrainingError(f"replica {self._replica} is draining")
 
     async def embed(self, inputs: Any) -> list[EmbeddingOutput]:
         """Embeddings (AsyncLLM.embed)."""

@@ -1,0 +1,102 @@
+"""The ingress side of a Ray Serve deployment (RemoteEngine) against fake deployment handles."""
+from __future__ import annotations
+
+import pytest
+import ray
+
+from cllm.cluster.errors import ReplicaDiedError, ReplicaDrainingError
+from cllm.cluster.remote_engine import RemoteEngine
+from cllm.cluster.transport import HandoffTicket
+from cllm.sampling.params import SamplingParams
+from tests.unit.fakes import ByteTokenizer, fake_config
+
+
+class FakeResponse:
+    """A DeploymentResponseGenerator: items, or an exception to raise in their place."""
+
+    def __init__(self, items: list) -> None:
+        self.items = items
+        self.cancelled = False
+
+    def __aiter__(self):
+        return self._iterate()
+
+    async def _iterate(self):
+        for item in self.items:
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class FakeHandle:
+    """A DeploymentHandle whose methods answer from a script: method -> list of responses, in order."""
+
+    def __init__(self, **script: list[list]) -> None:
+        self.script = script
+        self.calls: list[tuple[str, object]] = []
+        self.responses: list[FakeResponse] = []
+
+    def options(self, **_: object) -> FakeHandle:
+        return self
+
+    def __getattr__(self, method: str):
+        handle = self
+
+        class Method:
+            def remote(self, arg: object) -> FakeResponse:
+                handle.calls.append((method, arg))
+                response = FakeResponse(handle.script[method].pop(0))
+                handle.responses.append(response)
+                return response
+        return Method()
+
+
+def engine(engines: FakeHandle, decoders: FakeHandle | None = None) -> RemoteEngine:
+    info = {"max_model_len": 4096, "model_name": "fake", "vocab_size": 64}
+    return RemoteEngine(fake_config(), info, engines, decoders, board=None, tokenizer=ByteTokenizer())
+
+
+async def collect(remote: RemoteEngine, **kwargs) -> list:
+    return [out async for out in remote.generate([1, 2, 3], SamplingParams(max_tokens=4), **kwargs)]
+
+
+TICKET = HandoffTicket(snapshot=None, header=None, chunk_refs=[])
+
+
+async def test_a_handed_off_request_continues_on_the_decode_replicas():
+    prefill, decode = FakeHandle(generate=[["o1", TICKET]]), FakeHandle(resume=[["o2", "o3"]])
+    queued = []
+    assert await collect(engine(prefill, decode), on_queued=lambda: queued.append(1)) == ["o1", "o2", "o3"]
+    assert queued == [1]
+    call = prefill.calls[0][1]
+    assert call.prefill_only and len(call.prefix_keys) == 0  # 3 tokens: no complete 16-token block
+    assert decode.calls == [("resume", TICKET)]
+
+
+async def test_a_draining_replica_sends_the_request_on():
+    engines = FakeHandle(generate=[[ReplicaDrainingError("draining")], ["o1", TICKET]],
+                         resume=[[ReplicaDrainingError("draining")], ["o2"]])
+    assert await collect(engine(engines)) == ["o1", "o2"]
+    assert [m for m, _ in engines.calls] == ["generate", "generate", "resume", "resume"]
+    assert not engines.calls[0][1].prefill_only  # colocated
+
+
+async def test_draining_after_output_and_a_dead_replica_fail_the_request():
+    engines = FakeHandle(generate=[["o1", ReplicaDrainingError("draining")]])
+    with pytest.raises(ReplicaDrainingError):
+        await collect(engine(engines))
+    engines = FakeHandle(generate=[["o1", ray.exceptions.RayActorError()]])
+    with pytest.raises(ReplicaDiedError, match="died"):
+        await collect(engine(engines))
+    assert engines.responses[0].cancelled  # the replica's stream is cancelled when ours ends early
+
+
+async def test_bad_input_fails_before_anything_is_routed():
+    engines = FakeHandle(generate=[])
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        async for _ in engine(engines).generate([99], SamplingParams(max_tokens=4)):
+            pass
+    assert engines.calls == []
