@@ -17,6 +17,7 @@ sums round differently).
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -180,8 +181,10 @@ def _results(chosen: torch.Tensor, rows: Sequence[SamplingRow], logprob_rows: li
         res.logprob = float(chosen_lp[j])
         k = rows[i].params.logprobs or 0
         if k:
-            res.top_ids = [int(t) for t in top_ids[j][:k]]  # type: ignore[index]
-            res.top_logprobs = [float(v) for v in top_lp[j][:k]]  # type: ignore[index]
+            # A grammar's masked tokens (-inf) are no alternatives, as in the numpy sampler.
+            top = [(int(t), float(v)) for t, v in zip(top_ids[j][:k], top_lp[j][:k]) if math.isfinite(v)]  # type: ignore[index]
+            res.top_ids = [t for t, _ in top]
+            res.top_logprobs = [v for _, v in top]
     return out
 
 

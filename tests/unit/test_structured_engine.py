@@ -134,3 +134,22 @@ def test_mask_applies_to_numpy_and_torch_logits_alike():
     assert list(np.flatnonzero(np.isfinite(as_numpy[1]))) == [2, 3, 28, 29, 54, 55]  # the tokens spelling "c" or "d"
     assert np.array_equal(as_numpy[[0, 2]], base[[0, 2]])  # unconstrained rows untouched
     structured.close()
+
+
+def test_both_samplers_end_a_grammar_that_allows_only_eos_despite_min_tokens():
+    import numpy as np
+    import torch
+
+    from cllm.sampling import torch_sampler
+    from cllm.sampling.sampler import SamplingRow, sample
+
+    vocab, eos = 64, 63
+    logits = np.full((2, vocab), -np.inf, dtype=np.float32)
+    logits[0, eos] = 1.0  # row 0: the grammar allows only EOS
+    logits[1, [5, eos]] = [2.0, 1.0]  # row 1: EOS and one other token
+    params = SamplingParams(min_tokens=5, logprobs=3, temperature=0)
+    rows = [SamplingRow(params, np.random.default_rng(0), [1], [], frozenset({eos})) for _ in range(2)]
+    for result in (sample(logits.copy(), rows), torch_sampler.sample(torch.from_numpy(logits.copy()), rows)):
+        assert [r.token_id for r in result] == [eos, 5]  # EOS is held back only where something else is allowed
+        assert result[0].top_ids == [eos] and result[1].top_ids == [5]  # no -inf alternatives
+        assert all(np.isfinite(r.logprob) for r in result)
