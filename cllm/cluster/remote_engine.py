@@ -120,6 +120,7 @@ class RemoteEngine:
                             prefix_keys(ids, self.config.cluster.route_block_tokens),
                             prefill_only=self._decoders is not None and params.n == 1)
         send = functools.partial(self._engines.options(stream=True).generate.remote, call)
+        resuming: HandoffTicket | None = None  # the hand-off being resumed, if any
         for _ in range(MAX_HOPS):
             ticket: HandoffTicket | None = None
             started = False
@@ -138,8 +139,18 @@ class RemoteEngine:
                     raise
                 await asyncio.sleep(DRAINING_RETRY_S)  # Serve has not yet taken the replica out of routing
                 continue
+            except ray.exceptions.RayTaskError:
+                # A hand-off whose KV transfer broke off (a chunk fetch failed) is asked for again: the
+                # router sends it back to the same replica (its prefix keys), whose receiver resumes from
+                # the last acknowledged chunk.
+                if started or resuming is None:
+                    raise
+                log.warning("hand-off of %s failed before its first output; resuming it", call.request_id)
+                continue
             if ticket is None:
                 return
+            ticket.prefix_keys = call.prefix_keys
+            resuming = ticket
             send = functools.partial(self._resume, ticket)
         raise EngineDeadError(f"request {call.request_id!r} was sent on more than {MAX_HOPS} times")
 

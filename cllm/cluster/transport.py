@@ -51,6 +51,7 @@ class HandoffTicket:
     snapshot: RequestSnapshot  # request state besides the KV
     header: TransferHeader  # chunk geometry
     chunk_refs: list[Any]  # ObjectRef of each KVChunk, in order
+    prefix_keys: tuple[bytes, ...] = ()  # the request's prefix keys: a retried resume is routed where the first went
 
 
 async def publish(snapshot: RequestSnapshot, segments: list[bytes], chunk_bytes: int, holder: Any) -> HandoffTicket:

@@ -63,21 +63,24 @@ async def collect(remote: RemoteEngine, **kwargs) -> list:
     return [out async for out in remote.generate([1, 2, 3], SamplingParams(max_tokens=4), **kwargs)]
 
 
-TICKET = HandoffTicket(snapshot=None, header=None, chunk_refs=[])
+def new_ticket() -> HandoffTicket:
+    return HandoffTicket(snapshot=None, header=None, chunk_refs=[])  # the ingress only passes it on
 
 
 async def test_a_handed_off_request_continues_on_the_decode_replicas():
-    prefill, decode = FakeHandle(generate=[["o1", TICKET]]), FakeHandle(resume=[["o2", "o3"]])
+    ticket = new_ticket()
+    prefill, decode = FakeHandle(generate=[["o1", ticket]]), FakeHandle(resume=[["o2", "o3"]])
     queued = []
     assert await collect(engine(prefill, decode), on_queued=lambda: queued.append(1)) == ["o1", "o2", "o3"]
     assert queued == [1]
     call = prefill.calls[0][1]
     assert call.prefill_only and len(call.prefix_keys) == 0  # 3 tokens: no complete 16-token block
-    assert decode.calls == [("resume", TICKET)]
+    assert decode.calls == [("resume", ticket)]
 
 
 async def test_a_draining_replica_sends_the_request_on():
-    engines = FakeHandle(generate=[[ReplicaDrainingError("draining")], ["o1", TICKET]],
+    ticket = new_ticket()
+    engines = FakeHandle(generate=[[ReplicaDrainingError("draining")], ["o1", ticket]],
                          resume=[[ReplicaDrainingError("draining")], ["o2"]])
     assert await collect(engine(engines)) == ["o1", "o2"]
     assert [m for m, _ in engines.calls] == ["generate", "generate", "resume", "resume"]
@@ -100,3 +103,17 @@ async def test_bad_input_fails_before_anything_is_routed():
         async for _ in engine(engines).generate([99], SamplingParams(max_tokens=4)):
             pass
     assert engines.calls == []
+
+
+async def test_a_hand_off_whose_transfer_broke_off_is_resumed_on_the_same_ticket():
+    ticket = new_ticket()
+    broken = ray.exceptions.RayTaskError("resume", "traceback", ConnectionError("chunk fetch failed"))
+    prefill, decode = FakeHandle(generate=[["o1", ticket]]), FakeHandle(resume=[[broken], ["o2"]])
+    assert await collect(engine(prefill, decode)) == ["o1", "o2"]
+    first, second = (arg for _, arg in decode.calls)
+    assert first is second and second.prefix_keys == prefill.calls[0][1].prefix_keys  # routed like the first
+    # Before any hand-off, the same error is the request's own: it is raised, not retried.
+    engines = FakeHandle(generate=[[broken]])
+    with pytest.raises(ray.exceptions.RayTaskError):
+        await collect(engine(engines))
+    assert len(engines.calls) == 1
