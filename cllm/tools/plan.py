@@ -110,7 +110,7 @@ def _renders_tools(source: str | None) -> bool:
 
 def _with_object_arguments(message: dict[str, Any]) -> dict[str, Any]:
     calls = message.get("tool_calls")
-    if not calls:
+    if not calls or not isinstance(calls, list):
         return message
     fixed = copy.deepcopy(message)
     for call in fixed["tool_calls"]:
@@ -123,11 +123,17 @@ def _with_object_arguments(message: dict[str, Any]) -> dict[str, Any]:
     return fixed
 
 
+def _well_formed(calls: Any) -> bool:
+    return isinstance(calls, list) and all(
+        isinstance(c, dict) and isinstance(c.get("function"), dict) and isinstance(c["function"].get("name"), str)
+        for c in calls)
+
+
 def _generic_assistant(message: dict[str, Any]) -> dict[str, Any]:
     """An assistant message with tool_calls, as the generic format's text (the template shows only content)."""
     calls = message.get("tool_calls")
-    if message.get("role") != "assistant" or not calls:
-        return message
+    if message.get("role") != "assistant" or not calls or not _well_formed(calls):
+        return message  # a malformed list is left for the template's message check to name
     body = [{"name": c["function"]["name"], "arguments": c["function"].get("arguments", {})} for c in calls]
     text = json.dumps({"tool_calls": body}, ensure_ascii=False)
     content = message.get("content") or ""

@@ -103,6 +103,8 @@ def test_json_object_and_grammar_extensions(server: ServerProcess):
     ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object",
      "properties": {"a": {"$ref": "#/missing"}}}}}], "tool_choice": "required"}, "json_schema", "missing"),
     ("/v1/chat/completions", {"grammar": 'root ::= "a"', "response_format": {"type": "json_object"}}, "grammar", "only one of"),
+    ("/v1/chat/completions", {"tools": [WEATHER_TOOL], "messages": [{"role": "user", "content": "Hi"},
+     {"role": "assistant", "content": None, "tool_calls": ["not a call"]}]}, "messages", "tool_calls[0] must be"),
 ])
 def test_malformed_schema_or_grammar_is_400_with_the_reason(server: ServerProcess, path, body, param, reason):
     base = {"prompt": "Hi"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "Hi"}]}

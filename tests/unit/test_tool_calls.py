@@ -210,3 +210,13 @@ def test_native_template_renders_tools_and_calls_as_plain_json():
     assert "<tool_response>\n3 results\n</tool_response>" in text
     reply = '<tool_call>\n{"name": "search", "arguments": {"q": "dogs"}}\n</tool_call>'
     assert calls_of(plan.parse(reply)) == [("search", {"q": "dogs"})]
+
+
+@pytest.mark.parametrize("calls", [["not a call"], [{"function": "x"}], [{"function": {"arguments": "{}"}}], "oops"])
+def test_malformed_earlier_calls_are_named_not_crashed_on(calls):
+    from cllm.chat_template import normalize_messages
+
+    plan = plan_tools([WEATHER], "auto", None, NO_TOOLS_TEMPLATE)
+    messages = plan.prepare_messages([{"role": "user", "content": "x"}, {"role": "assistant", "content": "", "tool_calls": calls}])
+    with pytest.raises(ValueError, match=r"messages\[2\]\.tool_calls"):
+        normalize_messages(messages)
