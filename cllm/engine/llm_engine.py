@@ -314,6 +314,8 @@ class LLMEngine:
             if self.structured.accept(req) and req.status is RequestStatus.RUNNING:
                 self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)  # the grammar is complete
             touched[group.group_id] = group
+        for request_id, error in self.structured.take_broken().items():
+            self._fail([request_id], error, touched)
         for chunk in out.chunks:  # requests that ended without a token (max_tokens=0 scores the prompt only)
             if chunk.request.status.is_finished:
                 self._touch(touched, chunk.request)

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import concurrent.futures
-import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -13,8 +12,6 @@ from cllm.backends.base import Tokenizer
 from cllm.request import Request
 from cllm.sampling.params import SamplingParams
 from cllm.structured.cache import GrammarCache
-
-log = logging.getLogger("cllm.structured")
 
 
 @dataclass(slots=True)
@@ -30,7 +27,7 @@ class PendingMask:
     """Bitmask rows being filled for one step (a future), with the request each row belongs to."""
 
     request_ids: list[str]  # row i of the bitmask is for request_ids[i]
-    future: concurrent.futures.Future  # resolves to the filled int32 bitmask (torch tensor)
+    future: concurrent.futures.Future  # resolves to the filled int32 bitmask (numpy, one row per request)
 
 
 class StructuredOutputs:
@@ -45,6 +42,7 @@ class StructuredOutputs:
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None  # the mask-filling thread
         self._batch: Any = None  # xgrammar.BatchGrammarMatcher, with the pool
         self._inflight: concurrent.futures.Future | None = None  # a fill not consumed yet (the step failed)
+        self._broken: dict[str, str] = {}  # request id -> why its matcher refused a token (the engine fails it)
 
     def compile(self, params: SamplingParams) -> Any | None:
         """Compile (or fetch) the request's grammar; ValueError if it does not compile."""
@@ -66,11 +64,9 @@ class StructuredOutputs:
         """Begin filling the bitmask of every constrained row about to be sampled: all rows in one
         batched xgrammar call, in a worker thread so it overlaps the forward pass."""
         self._settle()
-        rows = [r for r in requests if r.request_id in self._tracked]
+        rows = [r for r in requests if r.request_id in self._tracked and self._sync(r)]
         if not rows:
             return None
-        for req in rows:
-            self._sync(req)
         if self._pool is None:
             import xgrammar as xgr
 
@@ -110,12 +106,18 @@ class StructuredOutputs:
         if tracked is None:
             return False
         self._settle()
-        self._sync(request)
-        return bool(tracked.matcher.is_terminated())
+        return self._sync(request) and bool(tracked.matcher.is_terminated())
 
-    def _sync(self, request: Request) -> None:
-        """Feed the matcher the output tokens it has not seen. If the sequence's tokens went back
-        (never today: preemption keeps output tokens), replay them from the start."""
+    def take_broken(self) -> dict[str, str]:
+        """Requests whose matcher refused one of their tokens since the last call (never expected:
+        the mask allows only what the matcher accepts); the engine fails them, alone."""
+        broken, self._broken = self._broken, {}
+        return broken
+
+    def _sync(self, request: Request) -> bool:
+        """Feed the matcher the output tokens it has not seen (all of them after a hand-off: the new
+        engine's matcher replays them). If the sequence's tokens went back (never today: preemption
+        keeps output tokens), replay from the start. False if the matcher refused a token."""
         tracked = self._tracked[request.request_id]
         output = request.output_token_ids
         if tracked.accepted > len(output):
@@ -125,9 +127,11 @@ class StructuredOutputs:
             if tracked.matcher.is_terminated():
                 break
             if not tracked.matcher.accept_token(token):
-                # Only a bug (a mask not applied) gets here; say so rather than corrupt the state.
-                raise RuntimeError(f"grammar rejected token {token} of request {request.request_id}")
+                self._tracked.pop(request.request_id)
+                self._broken[request.request_id] = f"constrained decoding failed: the grammar refused token {token}"
+                return False
         tracked.accepted = len(output)
+        return True
 
     def _settle(self) -> None:
         """Wait for a fill whose step ended early (a backend error): matchers are not thread-safe,

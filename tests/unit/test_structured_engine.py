@@ -153,3 +153,22 @@ def test_both_samplers_end_a_grammar_that_allows_only_eos_despite_min_tokens():
         assert [r.token_id for r in result] == [eos, 5]  # EOS is held back only where something else is allowed
         assert result[0].top_ids == [eos] and result[1].top_ids == [5]  # no -inf alternatives
         assert all(np.isfinite(r.logprob) for r in result)
+
+
+def test_a_token_the_grammar_refuses_fails_only_that_request():
+    # Never expected (the mask allows only what the matcher accepts), but e.g. a hand-off from an
+    # engine with another vocabulary could replay such tokens: that request fails, the engine lives.
+    llm = make_llm()
+    engine = llm.engine
+    params = SamplingParams(max_tokens=8, temperature=0, choice=["cab"])
+    bad = engine.add_request("a", params, request_id="bad")
+    good = engine.add_request("b", params, request_id="good")
+    engine.step()
+    engine.scheduler.requests[bad].output_token_ids.append(25)  # "z": no sentence of the grammar has it
+    finals = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out
+    assert finals[bad].outputs[0].finish_reason == "error" and "refused token 25" in finals[bad].error
+    assert finals[good].outputs[0].text == "cab" and finals[good].outputs[0].finish_reason == "stop"
