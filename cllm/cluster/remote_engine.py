@@ -164,6 +164,26 @@ class RemoteEngine:
         with _ray_errors():
             return await self._engines.embed.remote(inputs)
 
+    async def embed(self, inputs: Prompt | list[Prompt]) -> list[EmbeddingOutput]:
+        """Embeddings (see AsyncLLM.embed): tokenised and checked here, embedded on one replica."""
+        if not self._accepting:
+            raise EngineDeadError("server is shutting down")
+        items = [inputs] if isinstance(inputs, str) else list(inputs)
+        if items and all(isinstance(t, int) for t in items):
+            items = [items]  # one token-id input
+        return await self._engines.embed.remote(await asyncio.to_thread(self._embedding_ids, items))
+
+    def _embedding_ids(self, items: list[Prompt]) -> list[list[int]]:
+        if not items:
+            raise ValueError("embedding inputs must be a non-empty list of texts or token-id lists")
+        token_ids = []
+        for i, item in enumerate(items):
+            try:
+                token_ids.append(self.tokenize_prompt(item))
+            except (ValueError, TypeError) as err:
+                raise ValueError(f"input {i}: {err}") from None
+        return token_ids
+
     async def shutdown(self, grace_s: float = 0.0) -> None:
         self._accepting = False
         if self._poller is not None:

@@ -72,6 +72,11 @@ class EngineReplica:
         async for item in self._relay(call.request_id, gen, call.prefill_only):
             yield item
 
+    async def embed(self, inputs: list[list[int]]) -> list[EmbeddingOutput]:
+        """Embeddings of token-id inputs (the ingress tokenised them), batched with this replica's other
+        embed calls (AsyncLLM.embed)."""
+        return await self.engine.embed(inputs)
+
     async def resume(self, ticket: HandoffTicket) -> AsyncIterator[RequestOutput]:
         """Continue a request another replica handed off; streams from where it stopped there."""
         self._refuse_if_draining()

@@ -164,6 +164,23 @@ def test_routes_streaming_errors_and_greedy_output(cluster, reference):
         assert got["embedding"] == pytest.approx(list(want.embedding), abs=1e-4)
 
 
+def test_embeddings_and_echo_logprobs_through_the_cluster(cluster, reference):
+    url = cluster.deploy("colocated", replicas=2)
+    texts = ["The cat sat on the mat.", "A cat was sitting on the mat."]
+    response = cluster.client.post(url + "/v1/embeddings", json={"input": texts})
+    assert response.status_code == 200, response.text
+    got = [d["embedding"] for d in response.json()["data"]]
+    expected = [o.embedding for o in reference.embed(texts)]
+    assert len(got) == 2 and all(abs(a - b) < 1e-2 for g, e in zip(got, expected) for a, b in zip(g, e))
+    bad = cluster.client.post(url + "/v1/embeddings", json={"input": [""]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "input"
+    prompt = "The capital of France is Paris."
+    body = cluster.complete(prompt, 0, echo=True, logprobs=1)["choices"][0]
+    ours = reference.generate(prompt, cllm.SamplingParams(max_tokens=0, prompt_logprobs=1))[0].prompt_logprobs
+    assert body["text"] == prompt and body["logprobs"]["token_logprobs"][0] is None
+    assert all(abs(a - b.logprob) < 1e-4 for a, b in zip(body["logprobs"]["token_logprobs"][1:], ours[1:]))
+
+
 def test_prefix_affinity_routes_a_cached_prefix_to_its_replica(cluster):
     cluster.deploy("colocated", replicas=2)
     before = {r.replica: r.stats.prefix_cache_hit_tokens for r in board_reports()}
