@@ -20,6 +20,7 @@ only (TORCH_TOL).
 """
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -114,6 +115,26 @@ def test_prompt_logprobs_chunked_prefill_and_prefix_cache(references: list[np.nd
         assert llm.stats().prefix_cache_queried_tokens > queried
         for out, ref in zip(outs, references):
             np.testing.assert_allclose(scored(out), ref, atol=LLAMA_TOL, rtol=0)
+
+
+def test_async_llm_parity(llm: cllm.LLM, references: list[np.ndarray]) -> None:
+    """AsyncLLM: concurrent embed() calls and a prompt-logprobs request give what LLM gives."""
+    texts = [s for triple in TRIPLES[:2] for s in triple]
+
+    async def main() -> tuple[list[list[cllm.EmbeddingOutput]], cllm.RequestOutput]:
+        engine = cllm.AsyncLLM(n_threads=1, n_ctx=4096, n_seq_max=4)
+        try:
+            embeds = await asyncio.gather(*[engine.embed([t]) for t in texts])
+            final = None
+            async for out in engine.generate(PROMPTS[0], cllm.SamplingParams(max_tokens=0, prompt_logprobs=1)):
+                final = out
+            return embeds, final
+        finally:
+            await engine.shutdown()
+
+    embeds, final = asyncio.run(main())
+    np.testing.assert_allclose(np.array([e[0].embedding for e in embeds]), embed(llm, texts), atol=1e-3)
+    np.testing.assert_allclose(scored(final), references[0], atol=TIGHT, rtol=0)
 
 
 def embed(llm: cllm.LLM, texts: list[str]) -> np.ndarray:
