@@ -112,6 +112,7 @@ class TorchBackend(Backend):
             heads=s.num_heads, head_dim=s.head_dim, vocab=s.vocab_size, itemsize=itemsize,
         )
         per_block = block_size * kv_bytes_per_token(s.num_layers, s.num_kv_heads, s.head_dim, self.dtype)
+        torch.cuda.empty_cache()  # blocks the allocator cached while converting weights are free, not "in use"
         sizing = size_kv_pool(
             cuda_memory(self.device), utilization=config.torch.gpu_memory_utilization, activation_reserve=reserve,
             bytes_per_block=per_block, block_size=block_size, min_tokens=max_len,
