@@ -48,6 +48,7 @@ def export_request(engine: LLMEngine, request_id: str) -> tuple[RequestSnapshot,
         num_computed_tokens=req.num_computed_tokens, rng_state=engine._rngs[request_id].bit_generator.state,
         backend=engine.backend.name, model=model_identity(engine), priority=req.priority,
         output_logprobs=list(req.output_logprobs), num_cached_tokens=req.num_cached_tokens,
+        scores_prompt=req.scores_prompt, prompt_logprobs=list(req.prompt_logprobs),
         age_s=now - req.arrival_time,
         first_token_age_s=None if req.metrics.first_token_time is None else now - req.metrics.first_token_time,
         timeout_left_s=None if req.deadline is None else max(0.0, req.deadline - now),
@@ -96,6 +97,7 @@ def _request_from(engine: LLMEngine, snap: RequestSnapshot, segments: list[bytes
                   arrival_time=now - snap.age_s, deadline=deadline, eos_token_ids=engine.tokenizer.eos_token_ids)
     req.output_token_ids = list(snap.output_token_ids)
     req.output_logprobs = list(snap.output_logprobs)
+    req.scores_prompt, req.prompt_logprobs = snap.scores_prompt, list(snap.prompt_logprobs)
     req.num_cached_tokens = snap.num_cached_tokens
     if snap.first_token_age_s is not None:
         req.metrics.first_token_time = now - snap.first_token_age_s

@@ -28,6 +28,8 @@ class RequestSnapshot:
     model: str  # model identity (file name and size); another model cannot import it
     priority: int = 0  # scheduling priority
     output_logprobs: list[TokenLogprob] = field(default_factory=list)  # when params.logprobs is set
+    scores_prompt: bool = False  # the request scores its prompt (params.prompt_logprobs)
+    prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)  # prompt tokens scored so far
     num_cached_tokens: int | None = None  # prefix-cache hit at first admission (usage reporting)
     age_s: float = 0.0  # seconds since arrival
     first_token_age_s: float | None = None  # seconds since the first token, if one came

@@ -77,3 +77,23 @@ def test_max_tokens_zero_needs_prompt_logprobs_and_bounds_are_checked() -> None:
         SamplingParams(prompt_logprobs=21)
     with pytest.raises(ValueError, match="prompt_logprobs"):
         SamplingParams(prompt_logprobs=-1)
+
+
+@pytest.mark.parametrize("steps_before", [1, 3])
+def test_hand_off_mid_prefill_keeps_scoring(steps_before: int) -> None:
+    """A request handed to another engine part-way through its (chunked) prompt carries the logprobs
+    scored so far, and the receiver scores the rest: the result equals scoring in one engine."""
+    from cllm.handoff.local import hand_off
+
+    src = LLMEngine(fake_config(n_batch=64, max_num_batched_tokens=5), FakeBackend(max_batch_tokens=64))
+    dst = LLMEngine(fake_config(n_batch=64, max_num_batched_tokens=5), FakeBackend(max_batch_tokens=64))
+    src.add_request(PROMPT, SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=0), request_id="r")
+    for _ in range(steps_before):
+        src.step()
+    hand_off(src, dst, "r", chunk_bytes=64)
+    out = None
+    while dst.has_unfinished():
+        for o in dst.step():
+            out = o
+    assert [e.logprob if e else None for e in out.prompt_logprobs] == pytest.approx(expected(PROMPT), abs=1e-5)
+    assert out.outputs[0].token_ids == [11, 12]
