@@ -4,7 +4,9 @@ requests unconstrained, and grammar compile time (cold and cached).
 Fairness: the unconstrained run generates exactly as many tokens per request as the constrained
 run did (``max_tokens`` = that count, EOS ignored), same prompts, same seeds and temperature, so
 both runs have the same batch sizes step by step and the difference is the cost of constraining
-(bitmask fill, overlapped with the forward pass, plus masking and matcher updates). The prefix
+(bitmask fill, overlapped with the forward pass, plus masking and matcher updates). On a shared
+machine whole-run throughput is noisy, so the engine thread's time inside the constraining calls is
+timed too (``engine_thread_share``: their share of the constrained run's wall time). The prefix
 cache is off so neither run reuses the other's prompt KV. Runs alternate; the best of
 ``--repeats`` of each is compared (other work on a shared machine only adds time), all are in the JSON.
 
@@ -65,6 +67,32 @@ def compile_times(llm: cllm.LLM) -> dict[str, Any]:
     return out
 
 
+class EngineThreadTimer:
+    """Seconds the engine thread spends in the constrained-decoding calls (mask wait + apply, matcher
+    sync, accept), and the worker's fill time: the cost of constraining without the machine's noise."""
+
+    def __init__(self, llm: cllm.LLM) -> None:
+        self.spent = {"start_fill": 0.0, "apply": 0.0, "accept": 0.0, "_fill": 0.0}
+        structured = llm.engine.structured
+        for name in self.spent:
+            setattr(structured, name, self._timed(name, getattr(structured, name)))
+
+    def _timed(self, name: str, fn: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.spent[name] += time.perf_counter() - t0
+        return call
+
+    def reset(self) -> None:
+        self.spent = dict.fromkeys(self.spent, 0.0)
+
+    def engine_thread_s(self) -> float:
+        return self.spent["start_fill"] + self.spent["apply"] + self.spent["accept"]
+
+
 def run(llm: cllm.LLM, prompts: list[list[int]], params: list[SamplingParams]) -> tuple[float, list[Any]]:
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params)
@@ -88,9 +116,12 @@ def main() -> None:
                                           "with name, age, email, skills and address."}]) for i in range(c)]
     constrained = [SamplingParams(temperature=0.8, seed=i, max_tokens=args.max_tokens, json_schema=PERSON) for i in range(c)]
     run(llm, prompts[:2], constrained[:2])  # warm-up (the grammar is compiled here)
+    timer = EngineThreadTimer(llm)
     records: list[dict[str, Any]] = []
     for _ in range(args.repeats):
+        timer.reset()
         t_c, outs = run(llm, prompts, constrained)
+        constraining_s, fill_s = timer.engine_thread_s(), timer.spent["_fill"]
         counts = [len(o.outputs[0].token_ids) for o in outs]
         valid = sum(1 for o in outs if _valid(o.outputs[0].text))
         free = [SamplingParams(temperature=0.8, seed=i, max_tokens=n, ignore_eos=True) for i, n in enumerate(counts)]
@@ -98,7 +129,9 @@ def main() -> None:
         tokens = sum(counts)
         assert tokens == sum(len(o.outputs[0].token_ids) for o in outs_u)
         records.append({"tokens": tokens, "constrained_s": t_c, "unconstrained_s": t_u, "valid_json": valid,
-                        "constrained_tok_s": tokens / t_c, "unconstrained_tok_s": tokens / t_u})
+                        "constrained_tok_s": tokens / t_c, "unconstrained_tok_s": tokens / t_u,
+                        "engine_thread_constraining_s": constraining_s, "worker_fill_s": fill_s,
+                        "engine_thread_share": constraining_s / t_c})
         print(json.dumps(records[-1]), file=sys.stderr, flush=True)
     best_c = max(r["constrained_tok_s"] for r in records)
     best_u = max(r["unconstrained_tok_s"] for r in records)
@@ -107,6 +140,7 @@ def main() -> None:
         "best_constrained_tok_s": best_c, "best_unconstrained_tok_s": best_u,
         "throughput_loss": 1 - best_c / best_u,
         "median_loss": statistics.median(1 - r["constrained_tok_s"] / r["unconstrained_tok_s"] for r in records),
+        "median_engine_thread_share": statistics.median(r["engine_thread_share"] for r in records),
         "runs": records, "compile": compile_info,
         "environment": collect_environment(threads=args.threads, model_path=str(resolve_model_path(None))).model_dump(),
     }
