@@ -31,7 +31,7 @@ class ModelConfig(_Section):
     n_ctx: int = Field(16384, ge=64, le=1 << 22, description="KV cache size in tokens for all sequences together; llama_cpp gives each sequence n_ctx/n_seq_max of it (unless kv_unified); capped by the model's trained context")
     n_seq_max: int = Field(8, ge=1, le=256, description="sequences that can hold KV at once (llama.cpp seq_id pool size)")
     n_threads: int | None = Field(None, ge=1, le=1024, description="CPU threads for inference; None = chosen at run time: llama_cpp uses one per physical core this process may run on (SMT siblings once, as llama.cpp's own default), torch all usable cores")
-    n_batch: int = Field(512, ge=1, le=1 << 16, description="most tokens evaluated in one forward call")
+    n_batch: int = Field(2048, ge=1, le=1 << 16, description="most tokens evaluated in one forward call (llama.cpp splits it into n_ubatch micro-batches); 2048 as llama-server, so a burst of prompts is prefilled in one step while nobody decodes")
     seed: int = Field(0, description="default sampling seed for requests that give none")
 
 
@@ -85,6 +85,7 @@ class SchedulerConfig(_Section):
 
     max_num_seqs: int | None = Field(None, ge=1, le=4096, description="running sequences cap; None = backend's n_seq_max")
     max_num_batched_tokens: int | None = Field(None, ge=1, le=1 << 20, description="token budget per step; None = n_batch")
+    max_prefill_chunk: int | None = Field(None, ge=1, le=1 << 20, description="most prompt tokens one step carries while any sequence is decoding, so a decode waits at most this much prefill; with nobody decoding a step may fill the whole token budget with prompts (as llama-server fills n_batch); None = 512 (one llama.cpp micro-batch), capped by the budget")
     policy: Literal["fcfs", "priority"] = Field("fcfs", description="waiting-queue order: arrival, or priority (lower value first) then arrival")
     preemption_mode: Literal["recompute", "swap"] = Field("recompute", description="how a preempted sequence resumes: re-evaluate its tokens, or restore saved KV (backends that support it)")
     max_waiting: int = Field(1024, ge=0, le=1 << 20, description="waiting-queue bound; beyond it new requests are refused (HTTP 429)")

@@ -28,6 +28,11 @@ class _RefusedAdmission:
     budget: int  # token budget it was offered (a smaller first chunk may fit)
 
 
+# Prompt tokens per step while sequences decode, by default: one llama.cpp micro-batch (n_ubatch's
+# default), so a decode waits at most one ubatch of prefill compute.
+DEFAULT_PREFILL_CHUNK = 512
+
+
 class Scheduler:
     """Owns request state transitions; only the engine thread calls it."""
 
@@ -36,6 +41,7 @@ class Scheduler:
         self.backend = backend
         self.max_num_seqs = min(config.max_num_seqs or cap.max_num_seqs, cap.max_num_seqs)
         self.token_budget = min(config.max_num_batched_tokens or cap.max_batch_tokens, cap.max_batch_tokens)
+        self.prefill_chunk = min(config.max_prefill_chunk or DEFAULT_PREFILL_CHUNK, self.token_budget)
         self.swap = config.preemption_mode == "swap" and backend.supports_state_swap
         self.waiting = WaitingQueue(config.policy)
         self.running: list[Request] = []
@@ -113,6 +119,10 @@ class Scheduler:
         self.running.sort(key=self.waiting.sort_key)
         decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
         prefilling = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        # While anyone decodes, prompts get at most one bounded chunk per step (the decodes' wait);
+        # with nobody decoding (a burst of arrivals) they may fill the whole budget, as llama-server
+        # fills its n_batch, since no one waits on them.
+        prefill_left = self.prefill_chunk if decoding else self.token_budget
         for group in (decoding, prefilling):
             for req in group:
                 budget = self.token_budget - out.num_tokens
@@ -121,10 +131,16 @@ class Scheduler:
                 if req.status is not RequestStatus.RUNNING:
                     continue  # preempted as a victim earlier this step
                 n = min(req.num_tokens - req.num_computed_tokens, budget)
+                if group is prefilling:
+                    if prefill_left <= 0:
+                        break
+                    n = min(n, prefill_left)
                 if not self._reserve_or_preempt(req, req.num_computed_tokens + n, out):
                     break  # req itself was preempted: the rest of its group, ranked lower, already was
                 out.chunks.append(self._chunk(req, n))
-        return self.token_budget - out.num_tokens
+                if group is prefilling:
+                    prefill_left -= n
+        return min(self.token_budget - out.num_tokens, prefill_left)
 
     def _reserve_or_preempt(self, req: Request, num_tokens: int, out: SchedulerOutput) -> bool:
         while not self.backend.reserve(req.request_id, num_tokens):

@@ -261,3 +261,19 @@ def test_recompute_prefill_does_not_starve_decodes_under_fcfs():
         engine.step()
     assert all("new" in seqs for _, _, seqs in backend.batches[1:6])
     assert run_all(engine)["old"].outputs[0].token_ids == [40, 41, 42, 43, 44]
+
+
+def test_prefill_is_chunked_only_while_someone_decodes():
+    engine, backend = make_engine(FakeBackend(max_batch_tokens=64), max_prefill_chunk=8)
+    engine.add_request(list(range(20)), GREEDY, request_id="a")
+    engine.add_request(list(range(30)), GREEDY, request_id="b")
+    engine.step()
+    # nobody was decoding: the burst fills the budget, both prompts in one step
+    assert sorted(backend.batches[0][2]) == ["a"] * 20 + ["b"] * 30
+    engine.add_request(list(range(40)), GREEDY, request_id="late")
+    for _ in range(3):
+        engine.step()
+    # a and b decode now: the late prompt gets at most 8 tokens a step beside them
+    for ids, _, seqs in backend.batches[1:4]:
+        assert seqs.count("late") <= 8 and "a" in seqs and "b" in seqs
+    assert run_all(engine)["late"].outputs[0].token_ids == [40, 41, 42, 43, 44]
