@@ -26,7 +26,8 @@ def test_disconnect_storm_leaves_the_engine_idle(battery_server: ServerProcess) 
 
 def test_fuzzing_gets_no_5xx_and_the_server_still_serves(fuzz_server: ServerProcess) -> None:
     result = run_fuzz(fuzz_server, examples_per_operation=60)
-    assert sorted(result.operations) == ["/detokenize", "/tokenize", "/v1/chat/completions", "/v1/completions"]
+    assert sorted(result.operations) == ["/detokenize", "/tokenize", "/v1/chat/completions", "/v1/completions",
+                                          "/v1/embeddings"]
     assert verdicts.fuzz_failures(result) == []
 
 

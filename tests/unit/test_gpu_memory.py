@@ -90,8 +90,9 @@ def test_gpu_step_limits_and_attention_choice_by_device():
 
     cfg = load_config(None, environ={})
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    assert _step_limits(cfg, cuda) == (256, 8192) and _step_limits(cfg, cpu) == (8, 512)
-    assert _step_limits(cfg.with_overrides(gpu_n_seq_max=None, gpu_n_batch=None), cuda) == (8, 512)
+    cpu_limits = (cfg.model.n_seq_max, cfg.model.n_batch)  # the CPU-sized model settings
+    assert _step_limits(cfg, cuda) == (256, 8192) and _step_limits(cfg, cpu) == cpu_limits
+    assert _step_limits(cfg.with_overrides(gpu_n_seq_max=None, gpu_n_batch=None), cuda) == cpu_limits
     assert attention_mode("auto", cpu, 16) == "sdpa"
     assert attention_mode("auto", cuda, 16) == "flex"  # flash-attn needs block_size % 256 == 0 (and the package)
     assert attention_mode("flex", cpu, 16) == "flex"
