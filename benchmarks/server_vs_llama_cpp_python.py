@@ -24,15 +24,14 @@ import asyncio
 import json
 import os
 import signal
-import socket
-import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+
+from cllm.bench.server_process import BenchServer, free_port
 
 
 @dataclass(slots=True)
@@ -159,59 +158,18 @@ def run_llm_level(model_path: str | None, n_threads: int, concurrency: int, per_
 # ---- server processes -------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class ServerProc:
-    """A server subprocess, started and waited for; stopped with SIGTERM."""
-
-    def __init__(self, cmd: list[str], port: int, ready_path: str) -> None:
-        self.port = port
-        self.log = tempfile.NamedTemporaryFile(prefix="bench-server-", suffix=".log", delete=False)  # noqa: SIM115
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{cmd[:4]} exited: {Path(self.log.name).read_text()[-3000:]}")
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}{ready_path}", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        self.stop()
-        raise RuntimeError(f"{cmd[:4]} did not become ready")
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.log.close()
-
-
-def start_cllm(model: str, n_threads: int, n_seq_max: int) -> ServerProc:
+def start_cllm(model: str, n_threads: int, n_seq_max: int) -> BenchServer:
     port = free_port()
     cmd = [sys.executable, "-m", "cllm", "serve", "--model", model, "--port", str(port), "--n-threads", str(n_threads),
            "--n-seq-max", str(n_seq_max), "--log-level", "warning"]
-    return ServerProc(cmd, port, "/health")
+    return BenchServer("cllm-serve", cmd, port)
 
 
-def start_llama_cpp_python(model: str, n_threads: int) -> ServerProc:
+def start_llama_cpp_python(model: str, n_threads: int) -> BenchServer:
     port = free_port()
     cmd = [sys.executable, "-m", "llama_cpp.server", "--model", model, "--n_threads", str(n_threads),
            "--interrupt_requests", "False", "--host", "127.0.0.1", "--port", str(port)]
-    return ServerProc(cmd, port, "/v1/models")
+    return BenchServer("llama-cpp-python-server", cmd, port, ready_path="/v1/models")
 
 
 # ---- main --------------------------------------------------------------------------------
@@ -244,7 +202,7 @@ def _median_run(runs: list[LevelResult]) -> LevelResult:
 
 
 def run_level(system: str, level: int, args: argparse.Namespace, model: str, eos: list[int],
-              servers: dict[str, ServerProc]) -> LevelResult:
+              servers: dict[str, BenchServer]) -> LevelResult:
     bias = {str(t): -100.0 for t in eos}
     if system == "cllm-server":
         coro = run_http_level("cllm-server", servers[system].url, level, args.per_client, args.max_tokens, bias, "")
@@ -275,7 +233,7 @@ def main() -> None:
     eos = eos_token_ids(model)
     # SIGTERM ends the run through the `finally` below, so no server subprocess is left behind.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    servers: dict[str, ServerProc] = {}
+    servers: dict[str, BenchServer] = {}
     try:
         # Both servers stay up (idle ones cost nothing); the systems take turns at each level so
         # that background load on a shared machine hits them alike.

@@ -30,7 +30,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -40,7 +39,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import httpx
+from cllm.bench.server_process import BenchServer, free_port
 
 LLAMA_CPP_PYTHON = "0.3.36"  # the pinned llama-cpp-python (pyproject.toml); its sdist vendors llama.cpp
 CACHE = Path(os.environ.get("CLLM_CACHE_DIR", Path.home() / ".cache" / "cllm")) / f"llama-server-{LLAMA_CPP_PYTHON}"
@@ -152,49 +151,7 @@ def pip_build_flags() -> dict[str, str]:
 # ---- servers ----------------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class Server:
-    """A server subprocess, alone on the machine while it is measured; stopped with SIGTERM."""
-
-    def __init__(self, name: str, cmd: list[str], port: int) -> None:
-        self.name, self.port = name, port
-        self.log = tempfile.NamedTemporaryFile(prefix=f"vs-{name}-", suffix=".log", delete=False)  # noqa: SIM115
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 240
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{name} exited: {Path(self.log.name).read_text()[-3000:]}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.25)
-        self.stop()
-        raise RuntimeError(f"{name} did not become ready; log: {self.log.name}")
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.log.close()
-        os.unlink(self.log.name)
-
-
-def start_server(name: str, settings: Settings, slots: int, binary: Path) -> Server:
+def start_server(name: str, settings: Settings, slots: int, binary: Path) -> BenchServer:
     port = free_port()
     n_ctx = str(slots * settings.ctx_per_slot)
     if name == "llama-server":
@@ -205,13 +162,13 @@ def start_server(name: str, settings: Settings, slots: int, binary: Path) -> Ser
                "--n-ctx", n_ctx, "--log-level", "warning"]
         if not settings.cllm_defaults:
             cmd += ["--n-threads", str(settings.threads), "--n-seq-max", str(slots)]
-    return Server(name, cmd, port)
+    return BenchServer(name, cmd, port)
 
 
 # ---- driving them ---------------------------------------------------------------------------
 
 
-def bench_level(server: Server, w: Workload, clients: int, round_no: int) -> Point:
+def bench_level(server: BenchServer, w: Workload, clients: int, round_no: int) -> Point:
     """One `cllm bench serve` run against a live server."""
     num = max(w.min_prompts, int(clients * w.prompts_per_client))
     with tempfile.TemporaryDirectory() as tmp:
