@@ -96,15 +96,18 @@ class ServerProcess:
         return int(self.proc.returncode)
 
 
-def start_server(*args: str, api_key: str | None = None, wait: bool = True) -> ServerProcess:
-    """Start `python -m cllm serve` on a free port with extra CLI ``args``."""
+def start_server(*args: str, api_key: str | None = None, wait: bool = True, threads: int | None = 1) -> ServerProcess:
+    """Start `python -m cllm serve` on a free port with extra CLI ``args``; ``threads=None`` leaves the
+    thread count to the server's machine-chosen default."""
     port = free_port()
     log_fd, log_name = tempfile.mkstemp(prefix=f"cllm-serve-{port}-", suffix=".log")
     os.close(log_fd)
     log_file = open(log_name, "wb")  # noqa: SIM115 - closed by the fixture
     # One thread: on a shared, busy CI machine llama.cpp's spinning thread barrier makes
     # two threads many times slower than one, and tests care about stable timing.
-    cmd = [sys.executable, "-m", "cllm", "serve", "--host", "127.0.0.1", "--port", str(port), "--n-threads", "1", *args]
+    cmd = [sys.executable, "-m", "cllm", "serve", "--host", "127.0.0.1", "--port", str(port)]
+    cmd += ["--n-threads", str(threads)] if threads is not None else []
+    cmd += args
     if api_key:
         cmd += ["--api-key", api_key]
     env = {k: v for k, v in os.environ.items() if not k.startswith("CLLM_")}

@@ -7,7 +7,6 @@ import asyncio
 import json
 from typing import Literal
 
-import httpx
 import pytest
 from pydantic import BaseModel, Field
 

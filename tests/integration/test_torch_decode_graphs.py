@@ -7,7 +7,6 @@ padding rows confined to the scratch block, and real rows unchanged by padding
 """
 from __future__ import annotations
 
-from pathlib import Path
 
 import numpy as np
 import pytest

@@ -6,7 +6,6 @@ import time
 import pytest
 
 from cllm.engine.llm_engine import LLMEngine
-from cllm.request import RequestStatus
 from cllm.sampling.params import SamplingParams
 from cllm.scheduler.scheduler import _RefusedAdmission
 from tests.unit.fakes import EOS, FakeBackend, fake_config

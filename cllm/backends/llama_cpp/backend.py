@@ -54,10 +54,11 @@ class LlamaCppBackend(Backend):
         if path.is_dir() or path.suffix.lower() != ".gguf":
             raise ValueError(f"model={str(path)!r}: the llama_cpp backend needs a .gguf file")
         self.n_gpu_layers = resolve_gpu_layers(lc.n_gpu_layers)
+        self._n_threads = m.n_threads or default_n_threads()  # shared by the embeddings context
         self._model = LlamaModelHandle(path=path, n_gpu_layers=self.n_gpu_layers)
         self._ctx = LlamaContextHandle(
             model=self._model, n_ctx=m.n_ctx, n_batch=m.n_batch, n_ubatch=lc.n_ubatch,
-            n_seq_max=m.n_seq_max, n_threads=m.n_threads or default_n_threads(), flash_attn=lc.flash_attn, kv_unified=lc.kv_unified,
+            n_seq_max=m.n_seq_max, n_threads=self._n_threads, flash_attn=lc.flash_attn, kv_unified=lc.kv_unified,
             type_k=kv_cache_type(lc.type_k), type_v=kv_cache_type(lc.type_v), offload_kqv=lc.offload_kqv,
         )
         self._batch = LlamaBatchBuffer(capacity=m.n_batch)
@@ -75,7 +76,6 @@ class LlamaCppBackend(Backend):
         )
         self.model_path = path
         self._embedding_config = config.embeddings
-        self._n_threads = m.n_threads or os.cpu_count() or 1
         self._embedder: LlamaEmbedder | None = None  # its own context, made on first embed()
         self._queried_tokens = 0
         self._hit_tokens = 0
