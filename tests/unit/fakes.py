@@ -150,3 +150,15 @@ def fake_config(**overrides) -> CllmConfig:
 def make_fake_backend(config: CllmConfig) -> FakeBackend:
     """Registry-style factory (what an entry point in group cllm.backends names)."""
     return FakeBackend(slots=config.model.n_seq_max, max_batch_tokens=config.model.n_batch)
+
+
+def run_all(engine, max_steps: int = 10_000) -> dict:
+    """Step ``engine`` until nothing is unfinished; the final output of every request, by id."""
+    final = {}
+    for _ in range(max_steps):
+        if not engine.has_unfinished():
+            return final
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = out
+    raise AssertionError("engine did not finish")

@@ -7,7 +7,7 @@ from cllm.engine.llm_engine import LLMEngine
 from cllm.errors import QueueFullError
 from cllm.handoff.local import hand_off
 from cllm.sampling.params import SamplingParams
-from tests.unit.fakes import FakeBackend, fake_config
+from tests.unit.fakes import FakeBackend, fake_config, run_all
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0)
 
@@ -18,17 +18,6 @@ def engine_pair(**overrides) -> tuple[LLMEngine, FakeBackend, LLMEngine, FakeBac
     return LLMEngine(fake_config(**overrides), a), a, LLMEngine(fake_config(**overrides), b), b
 
 
-def finish(engine: LLMEngine) -> dict:
-    final = {}
-    for _ in range(1000):
-        if not engine.has_unfinished():
-            return final
-        for out in engine.step():
-            if out.finished:
-                final[out.request_id] = out
-    raise AssertionError("engine did not finish")
-
-
 def test_running_request_continues_where_it_stopped():
     src, a, dst, b = engine_pair()
     src.add_request([1, 2, 3], GREEDY, request_id="r")
@@ -37,7 +26,7 @@ def test_running_request_continues_where_it_stopped():
     report = hand_off(src, dst, "r", chunk_bytes=2)
     assert not src.has_unfinished() and "r" in a.released and "r" not in a.held
     assert report.kv_tokens == 4 and report.kv_bytes == 4 and report.num_chunks == 2
-    out = finish(dst)["r"]
+    out = run_all(dst)["r"]
     assert out.outputs[0].token_ids == [4, 5, 6, 7, 8, 9]  # the same as without a hand-off
     # The receiver evaluated only the one sampled token the sender had not: KV came with the request.
     assert b.batches[0] == ([5], [4], ["r"])
@@ -61,7 +50,7 @@ def test_waiting_request_moves_without_kv_and_is_recomputed():
     src.add_request([1, 2, 3], GREEDY, request_id="r")
     report = hand_off(src, dst, "r", chunk_bytes=8)
     assert report.kv_tokens == 0 and report.kv_bytes == 0 and report.num_chunks == 1
-    assert finish(dst)["r"].outputs[0].token_ids == [4, 5, 6, 7, 8, 9]
+    assert run_all(dst)["r"].outputs[0].token_ids == [4, 5, 6, 7, 8, 9]
     assert b.batches[0] == ([1, 2, 3], [0, 1, 2], ["r"] * 3)
 
 
@@ -71,7 +60,7 @@ def test_swapped_out_request_moves_its_saved_kv():
     src.step()
     src.scheduler._preempt(src.scheduler.requests["r"])
     hand_off(src, dst, "r", chunk_bytes=3)
-    assert finish(dst)["r"].outputs[0].token_ids == [4, 5, 6, 7, 8, 9]
+    assert run_all(dst)["r"].outputs[0].token_ids == [4, 5, 6, 7, 8, 9]
     assert b.batches[0] == ([4], [3], ["r"])
 
 
@@ -82,7 +71,7 @@ def test_refusals_leave_the_request_where_it_was():
     src.step()
     with pytest.raises(QueueFullError):
         hand_off(src, dst, "r", chunk_bytes=8)
-    assert src.request_ids() == ["r"] and finish(src)["r"].outputs[0].token_ids == [4, 5, 6, 7, 8, 9]
+    assert src.request_ids() == ["r"] and run_all(src)["r"].outputs[0].token_ids == [4, 5, 6, 7, 8, 9]
     src.add_request([1], SamplingParams(max_tokens=2, n=2), request_id="g")
     with pytest.raises(ValueError, match="n=2"):
         src.export_request("g")

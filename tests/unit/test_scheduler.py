@@ -8,7 +8,7 @@ import pytest
 from cllm.engine.llm_engine import LLMEngine
 from cllm.sampling.params import SamplingParams
 from cllm.scheduler.scheduler import _RefusedAdmission
-from tests.unit.fakes import EOS, FakeBackend, fake_config
+from tests.unit.fakes import EOS, FakeBackend, fake_config, run_all
 
 GREEDY = SamplingParams(max_tokens=5, temperature=0)
 
@@ -17,17 +17,6 @@ def make_engine(backend: FakeBackend | None = None, **overrides) -> tuple[LLMEng
     backend = backend or FakeBackend()
     overrides.setdefault("n_batch", backend.capacity.max_batch_tokens)
     return LLMEngine(fake_config(**overrides), backend), backend
-
-
-def run_all(engine: LLMEngine, max_steps: int = 10_000) -> dict[str, object]:
-    final = {}
-    for _ in range(max_steps):
-        if not engine.has_unfinished():
-            return final
-        for out in engine.step():
-            if out.finished:
-                final[out.request_id] = out
-    raise AssertionError("engine did not finish")
 
 
 def test_counting_model_outputs_follow_prompt():
