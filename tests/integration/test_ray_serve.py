@@ -232,7 +232,9 @@ def test_killed_replica_fails_only_its_requests(cluster):
     threads[0].start()  # one after the other: requests routed at the same instant may pick the same replica
     wait_for(lambda: sinks[0].get("id"), "the first stream to start", 60)
     threads[1].start()
-    wait_for(lambda: sinks[1].get("id") and replica_running(sinks[0]["id"]) is not None, "both streams to start", 60)
+    # Replicas post what they run every 0.5 s: wait until the board shows both streams.
+    wait_for(lambda: sinks[1].get("id") and all(replica_running(s["id"]) is not None for s in sinks),
+             "both streams to start", 60)
     victim = replica_running(sinks[0]["id"])
     assert replica_running(sinks[1]["id"]).replica != victim.replica  # least-loaded: one each
     os.kill(victim.pid, signal.SIGKILL)

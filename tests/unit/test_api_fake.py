@@ -39,9 +39,10 @@ def test_async_streaming_concurrency_and_abort(fake_entry_point):
         # abort by breaking out of the stream
         async for _ in engine.generate([1], cllm.SamplingParams(max_tokens=4000, temperature=0, ignore_eos=True), request_id="cut"):
             break
-        for _ in range(100):
+        for _ in range(300):  # stats() is a snapshot published after each step/command: it may lag the abort
             await asyncio.sleep(0.01)
-            if engine.stats().slots_in_use == 0:
+            snap = engine.stats()
+            if snap.slots_in_use == 0 and snap.requests_finished.get("abort") == 1:
                 break
         stats = engine.stats()
         with pytest.raises(ValueError, match="temperature"):
