@@ -36,9 +36,12 @@ def test_async_streaming_concurrency_and_abort(fake_entry_point):
                 toks += out.outputs[0].token_ids_delta
             return toks, out.outputs[0].token_ids, out.outputs[0].finish_reason
         results = await asyncio.gather(*[full(i) for i in range(5)])
-        # abort by breaking out of the stream
-        async for _ in engine.generate([1], cllm.SamplingParams(max_tokens=4000, temperature=0, ignore_eos=True), request_id="cut"):
+        # abort by leaving the stream: closing the generator (a bare `break` leaves the close to asyncio's
+        # async-generator finalizer, which runs later)
+        stream = engine.generate([1], cllm.SamplingParams(max_tokens=4000, temperature=0, ignore_eos=True), request_id="cut")
+        async for _ in stream:
             break
+        await stream.aclose()
         for _ in range(300):  # stats() is a snapshot published after each step/command: it may lag the abort
             await asyncio.sleep(0.01)
             snap = engine.stats()
