@@ -5,6 +5,7 @@ is predictable. KV room, slots and failures are configurable.
 """
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 import numpy as np
@@ -60,7 +61,7 @@ class FakeBackend(Backend):
     supports_embeddings = True
 
     def __init__(self, *, slots: int = 4, kv_tokens: int = 10_000, max_batch_tokens: int = 64,
-                 max_model_len: int = 4096) -> None:
+                 max_model_len: int = 4096, forward_sleep_s: float = 0.0) -> None:
         self._cap = BackendCapacity(slots, max_batch_tokens, max_model_len, kv_tokens)
         self._tok = ByteTokenizer()
         self.held: dict[str, int] = {}  # sequence -> KV tokens reserved
@@ -71,6 +72,9 @@ class FakeBackend(Backend):
         self.dropped_cache: list[str] = []  # released with keep_cache=False
         self.no_reuse: list[str] = []  # admitted with reuse_prefix=False
         self.embed_calls: list[list[list[int]]] = []  # inputs of each embed() call
+        # A real forward pass (llama_decode, torch ops) releases the GIL for its whole length; a fake one
+        # that never does lets a pure-Python engine thread starve the caller's event loop for seconds.
+        self.forward_sleep_s = forward_sleep_s
 
     @property
     def capacity(self) -> BackendCapacity:
@@ -98,6 +102,8 @@ class FakeBackend(Backend):
 
     def forward_batch(self, flat_ids, positions, sequence_ids, *, logits_for=None, all_logits_for=()) -> np.ndarray:
         self.batches.append((list(flat_ids), list(positions), list(sequence_ids)))
+        if self.forward_sleep_s:
+            time.sleep(self.forward_sleep_s)
         if self.fail_when & set(sequence_ids):
             raise BackendError("injected failure", sorted(set(sequence_ids)))
         last: dict[str, int] = {}
@@ -149,7 +155,7 @@ def fake_config(**overrides) -> CllmConfig:
 
 def make_fake_backend(config: CllmConfig) -> FakeBackend:
     """Registry-style factory (what an entry point in group cllm.backends names)."""
-    return FakeBackend(slots=config.model.n_seq_max, max_batch_tokens=config.model.n_batch)
+    return FakeBackend(slots=config.model.n_seq_max, max_batch_tokens=config.model.n_batch, forward_sleep_s=0.0005)
 
 
 def run_all(engine, max_steps: int = 10_000) -> dict:
