@@ -21,7 +21,7 @@ Workloads: (a) ~32-token distinct prompts, 64 tokens out, 1/8/16/32/64 clients;
     .venv/bin/python benchmarks/vs_llama_server.py --quick    # iteration (~4 min)
 
 Both servers get the same model file, threads, slots and context per slot
-(``--cllm-defaults`` starts cllm with no thread/slot flags instead). It is a
+(``--cllm-defaults`` starts cllm with no thread/slot/context flags instead). It is a
 benchmark, not a test.
 """
 from __future__ import annotations
@@ -159,9 +159,9 @@ def start_server(name: str, settings: Settings, slots: int, binary: Path) -> Ben
                "-np", str(slots), "-c", n_ctx, "--no-webui", "--log-disable"]
     else:
         cmd = [sys.executable, "-m", "cllm", "serve", "--model", settings.model, "--port", str(port),
-               "--n-ctx", n_ctx, "--log-level", "warning"]
-        if not settings.cllm_defaults:
-            cmd += ["--n-threads", str(settings.threads), "--n-seq-max", str(slots)]
+               "--log-level", "warning"]
+        if not settings.cllm_defaults:  # defaults: threads, slots and context chosen from the machine
+            cmd += ["--n-threads", str(settings.threads), "--n-seq-max", str(slots), "--n-ctx", n_ctx]
     return BenchServer(name, cmd, port)
 
 
@@ -284,7 +284,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="alternating rounds (the order flips each round)")
     parser.add_argument("--quick", action="store_true", help="fewer levels and requests, for iteration")
     parser.add_argument("--workloads", default="abc", help="which of a, b, c to run")
-    parser.add_argument("--cllm-defaults", action="store_true", help="start cllm serve without thread/slot flags")
+    parser.add_argument("--cllm-defaults", action="store_true", help="start cllm serve without thread/slot/context flags")
     parser.add_argument("--out", type=Path, default=REPO / "notes", help="where the JSON and markdown go")
     parser.add_argument("--tag", default=None, help="file name tag (default: quick | full)")
     parser.add_argument("--png", type=Path, default=None, help="also write a PNG here (e.g. docs/vs_llama_server.png)")

@@ -4,6 +4,11 @@ and context) loads the embedded model and answers chat and embeddings. Every oth
 start-up) would pass the whole suite."""
 from __future__ import annotations
 
+import re
+
+from cllm.backends.llama_cpp.native import LlamaModelHandle
+from cllm.backends.llama_cpp.sizing import MAX_AUTO_SEQS, available_memory, kv_shape
+from cllm.model_path import resolve_model_path
 from cllm.stress.server_process import finish_server, start_server
 
 
@@ -14,8 +19,19 @@ def test_cllm_serve_on_its_defaults_answers_chat_and_embeddings() -> None:
             chat = client.post("/v1/chat/completions",
                                json={"messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 8})
             emb = client.post("/v1/embeddings", json={"input": ["hello there"]})
+            models = client.get("/v1/models").json()
+            metrics = client.get("/metrics").text
     finally:
         log = finish_server(server)
+    # Slots and context were sized from this machine's memory (sizing.py): 2048 cells per sequence,
+    # as many sequences as fit in 1/8 of the available memory, at most 64.
+    slots = int(float(re.search(r"^cllm_slots_total (\S+)$", metrics, re.M).group(1)))
+    model = LlamaModelHandle(path=resolve_model_path(None))
+    per_token = model.kv_bytes_per_token("f16", "f16")
+    model.close()
+    fits = kv_shape(None, None, n_ctx_train=8192, bytes_per_token=per_token, available_bytes=available_memory())[1]
+    assert models["data"][0]["max_model_len"] == 2048
+    assert 1 <= slots <= MAX_AUTO_SEQS and (slots == MAX_AUTO_SEQS or abs(slots - fits) <= 2)
     assert chat.status_code == 200, chat.text
     assert chat.json()["usage"]["completion_tokens"] >= 1
     assert emb.status_code == 200, emb.text

@@ -60,9 +60,10 @@ def log_softmax(x: np.ndarray) -> np.ndarray:
 
 
 def teacher_forced_llama(ids: list[int]) -> np.ndarray:
-    """logprob of ids[i] given ids[:i], i >= 1, from llama-cpp-python's own Llama (one batch, float64 softmax)."""
+    """logprob of ids[i] given ids[:i], i >= 1, from llama-cpp-python's own Llama (one batch, float64 softmax),
+    with the attention kernels cllm's default (flash_attn: auto) picks on a CPU: flash attention."""
     ref = llama_cpp.Llama(model_path=str(resolve_model_path(None)), n_ctx=1024, n_batch=512, logits_all=True,
-                          n_threads=1, verbose=False)
+                          n_threads=1, flash_attn=True, verbose=False)
     try:
         ref.eval(ids)
         lp = log_softmax(np.array(ref.scores[: len(ids)], dtype=np.float64))

@@ -79,7 +79,7 @@ def test_defaults_keep_an_f16_kv_cache_and_kqv_offload():
 
 @pytest.mark.parametrize("kwargs, text", [
     ({"type_k": "q3_k"}, "type_k"), ({"type_v": "int8", "flash_attn": True}, "type_v"),
-    ({"type_v": "q8_0"}, r"type_v='q8_0'.*flash_attn"), ({"type_v": "q4_0", "flash_attn": False}, "flash_attn"),
+    ({"type_v": "q8_0", "flash_attn": False}, r"type_v='q8_0'.*flash_attn"), ({"flash_attn": "sometimes"}, "flash_attn"),
     ({"n_gpu_layers": -2}, "n_gpu_layers"),
 ])
 def test_bad_settings_name_the_value(kwargs, text):

@@ -86,11 +86,11 @@ def test_gpu_defaults():
 
 def test_gpu_step_limits_and_attention_choice_by_device():
     from cllm.backends.torch.attention import attention_mode
-    from cllm.backends.torch.backend import _step_limits
+    from cllm.backends.torch.backend import CPU_N_SEQ_MAX, _step_limits
 
     cfg = load_config(None, environ={})
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    cpu_limits = (cfg.model.n_seq_max, cfg.model.n_batch)  # the CPU-sized model settings
+    cpu_limits = (CPU_N_SEQ_MAX, cfg.model.n_batch)  # n_seq_max unset: the CPU-sized default
     assert _step_limits(cfg, cuda) == (256, 8192) and _step_limits(cfg, cpu) == cpu_limits
     assert _step_limits(cfg.with_overrides(gpu_n_seq_max=None, gpu_n_batch=None), cuda) == cpu_limits
     assert attention_mode("auto", cpu, 16) == "sdpa"

@@ -28,6 +28,7 @@ from cllm.backends.base import Admission, Backend, BackendCapacity, BackendError
 from cllm.backends.llama_cpp.embedder import LlamaEmbedder
 from cllm.backends.llama_cpp.native import LlamaBatchBuffer, LlamaContextHandle, LlamaModelHandle
 from cllm.backends.llama_cpp.offload import kv_cache_type, resolve_gpu_layers
+from cllm.backends.llama_cpp.sizing import available_memory, kv_shape
 from cllm.backends.llama_cpp.slot_pool import SeqSlotPool, Slot
 from cllm.backends.llama_cpp.threads import default_n_threads
 from cllm.backends.llama_cpp.tokenizer import LlamaCppTokenizer
@@ -56,20 +57,23 @@ class LlamaCppBackend(Backend):
         self.n_gpu_layers = resolve_gpu_layers(lc.n_gpu_layers)
         self._n_threads = m.n_threads or default_n_threads()  # shared by the embeddings context
         self._model = LlamaModelHandle(path=path, n_gpu_layers=self.n_gpu_layers)
+        n_ctx, n_seq_max = kv_shape(m.n_ctx, m.n_seq_max, n_ctx_train=self._model.n_ctx_train,
+                                    bytes_per_token=self._model.kv_bytes_per_token(lc.type_k, lc.type_v),
+                                    available_bytes=available_memory())
         self._ctx = LlamaContextHandle(
-            model=self._model, n_ctx=m.n_ctx, n_batch=m.n_batch, n_ubatch=lc.n_ubatch,
-            n_seq_max=m.n_seq_max, n_threads=self._n_threads, flash_attn=lc.flash_attn, kv_unified=lc.kv_unified,
+            model=self._model, n_ctx=n_ctx, n_batch=m.n_batch, n_ubatch=lc.n_ubatch,
+            n_seq_max=n_seq_max, n_threads=self._n_threads, flash_attn=lc.flash_attn, kv_unified=lc.kv_unified,
             type_k=kv_cache_type(lc.type_k), type_v=kv_cache_type(lc.type_v), offload_kqv=lc.offload_kqv,
         )
         self._batch = LlamaBatchBuffer(capacity=m.n_batch)
         self._tokenizer = LlamaCppTokenizer(model=self._model)
-        self._pool = SeqSlotPool(size=m.n_seq_max)
+        self._pool = SeqSlotPool(size=n_seq_max)
         self._prefix_cache = lc.prefix_cache
         self._similarity = lc.slot_prompt_similarity
         self._unified = lc.kv_unified
-        seq_cells = self._ctx.n_ctx if lc.kv_unified else self._ctx.n_ctx // m.n_seq_max
+        seq_cells = self._ctx.n_ctx if lc.kv_unified else self._ctx.n_ctx // n_seq_max
         self._capacity = BackendCapacity(
-            max_num_seqs=m.n_seq_max,
+            max_num_seqs=n_seq_max,
             max_batch_tokens=m.n_batch,
             max_model_len=min(seq_cells, self._model.n_ctx_train or seq_cells),
             kv_tokens=self._ctx.n_ctx,

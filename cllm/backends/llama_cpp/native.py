@@ -15,6 +15,7 @@ import llama_cpp as C
 import numpy as np
 
 from cllm.backends.llama_cpp.offload import KV_CACHE_TYPES
+from cllm.backends.llama_cpp.sizing import kv_bytes_per_token
 
 log = logging.getLogger("cllm.llama_cpp")
 _backend_once = threading.Lock()
@@ -71,6 +72,16 @@ class LlamaModelHandle:
         self.n_vocab = C.llama_vocab_n_tokens(self.vocab)
         self.n_ctx_train = C.llama_model_n_ctx_train(ptr)
 
+    def kv_bytes_per_token(self, type_k: str, type_v: str) -> float:
+        """KV cache bytes per token in all layers (for sizing; SWA / recurrent layers are over-counted)."""
+        n_head = max(1, C.llama_model_n_head(self.ptr))
+        arch = self.meta("general.architecture") or "llama"
+        head_dim = C.llama_model_n_embd(self.ptr) // n_head
+        k_len = int(self.meta(f"{arch}.attention.key_length") or head_dim)
+        v_len = int(self.meta(f"{arch}.attention.value_length") or head_dim)
+        return kv_bytes_per_token(C.llama_model_n_layer(self.ptr), C.llama_model_n_head_kv(self.ptr), k_len, v_len,
+                                  type_k, type_v)
+
     def meta(self, key: str) -> str | None:
         buf = ctypes.create_string_buffer(1 << 16)
         n = C.llama_model_meta_val_str(self.ptr, key.encode(), buf, len(buf))
@@ -95,7 +106,7 @@ class LlamaContextHandle:
     """
 
     def __init__(self, *, model: LlamaModelHandle, n_ctx: int, n_batch: int, n_ubatch: int,
-                 n_seq_max: int, n_threads: int, flash_attn: bool, kv_unified: bool,
+                 n_seq_max: int, n_threads: int, flash_attn: bool | str, kv_unified: bool,
                  type_k: int = KV_CACHE_TYPES["f16"], type_v: int = KV_CACHE_TYPES["f16"],
                  offload_kqv: bool = True, pooling_type: int | None = None) -> None:
         """``pooling_type`` set: an embeddings context (llama.cpp pools each sequence's outputs)."""
@@ -108,7 +119,8 @@ class LlamaContextHandle:
         params.n_threads_batch = n_threads
         params.kv_unified = kv_unified
         params.no_perf = True
-        params.flash_attn_type = C.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn else C.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        params.flash_attn_type = {"auto": C.LLAMA_FLASH_ATTN_TYPE_AUTO, True: C.LLAMA_FLASH_ATTN_TYPE_ENABLED,
+                                  False: C.LLAMA_FLASH_ATTN_TYPE_DISABLED}[flash_attn]
         params.type_k = type_k
         params.type_v = type_v
         params.offload_kqv = offload_kqv  # KV cache and attention ops on the GPU with the offloaded layers

@@ -68,7 +68,7 @@ class TorchBackend(Backend):
         del loaded
         block_size = config.torch.block_size
         max_seqs, max_tokens = _step_limits(config, self.device)
-        max_len = _max_model_len(self.spec, config.model.n_ctx)
+        max_len = _max_model_len(self.spec, _kv_tokens(config))
         num_blocks = self._num_blocks(config, block_size, max_seqs, max_tokens, max_len)
         self.blocks = BlockManager(num_blocks=num_blocks, block_size=block_size)
         self._attention = attention_mode(config.torch.attention, self.device, block_size)
@@ -104,7 +104,7 @@ class TorchBackend(Backend):
         """CPU: n_ctx tokens. CUDA: what gpu_memory_utilization leaves after the weights (ValueError if
         not even one max_model_len sequence fits)."""
         if self.device.type != "cuda":
-            return -(-config.model.n_ctx // block_size)
+            return -(-_kv_tokens(config) // block_size)
         s = self.spec
         itemsize = torch.empty((), dtype=self.dtype).element_size()
         reserve = activation_bytes(
@@ -386,12 +386,21 @@ def _load_tokenizer(loaded: LoadedModel) -> HFTokenizer | None:
     return HFTokenizer.load(directory, gguf_file=loaded.gguf_file, vocab_size=loaded.spec.vocab_size, extra_eos_ids=loaded.eos_token_ids)
 
 
+CPU_N_SEQ_MAX = 8  # sequences at once on CPU when n_seq_max is unset
+CPU_KV_TOKENS = 16384  # KV pool in tokens on CPU when n_ctx is unset
+
+
+def _kv_tokens(config: CllmConfig) -> int:
+    return config.model.n_ctx or CPU_KV_TOKENS
+
+
 def _step_limits(config: CllmConfig, device: torch.device) -> tuple[int, int]:
     """Sequences at once and tokens per step: n_seq_max / n_batch (CPU-sized), or the gpu_* values on CUDA."""
     m, t = config.model, config.torch
+    n_seq_max = m.n_seq_max or CPU_N_SEQ_MAX
     if device.type == "cuda":
-        return t.gpu_n_seq_max or m.n_seq_max, t.gpu_n_batch or m.n_batch
-    return m.n_seq_max, m.n_batch
+        return t.gpu_n_seq_max or n_seq_max, t.gpu_n_batch or m.n_batch
+    return n_seq_max, m.n_batch
 
 
 def _usable_cores() -> int:
