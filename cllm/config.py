@@ -85,7 +85,7 @@ class SchedulerConfig(_Section):
 
     max_num_seqs: int | None = Field(None, ge=1, le=4096, description="running sequences cap; None = backend's n_seq_max")
     max_num_batched_tokens: int | None = Field(None, ge=1, le=1 << 20, description="token budget per step; None = n_batch")
-    max_prefill_chunk: int | None = Field(None, ge=1, le=1 << 20, description="most prompt tokens one step carries while any sequence is decoding, so a decode waits at most this much prefill; with nobody decoding a step may fill the whole token budget with prompts (as llama-server fills n_batch); None = 512 (one llama.cpp micro-batch), capped by the budget")
+    max_prefill_chunk: int | None = Field(None, ge=1, le=1 << 20, description="most prompt tokens one step carries while any sequence is decoding, so a decode waits at most this much prefill; with nobody decoding a step may fill the whole token budget with prompts (as llama-server fills n_batch); None = the whole token budget (decodes first, prompts fill the rest), as llama-server and vLLM")
     policy: Literal["fcfs", "priority"] = Field("fcfs", description="waiting-queue order: arrival, or priority (lower value first) then arrival")
     preemption_mode: Literal["recompute", "swap"] = Field("recompute", description="how a preempted sequence resumes: re-evaluate its tokens, or restore saved KV (backends that support it)")
     max_waiting: int = Field(1024, ge=0, le=1 << 20, description="waiting-queue bound; beyond it new requests are refused (HTTP 429)")

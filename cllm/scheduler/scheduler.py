@@ -28,11 +28,6 @@ class _RefusedAdmission:
     budget: int  # token budget it was offered (a smaller first chunk may fit)
 
 
-# Prompt tokens per step while sequences decode, by default: one llama.cpp micro-batch (n_ubatch's
-# default), so a decode waits at most one ubatch of prefill compute.
-DEFAULT_PREFILL_CHUNK = 512
-
-
 class Scheduler:
     """Owns request state transitions; only the engine thread calls it."""
 
@@ -41,7 +36,8 @@ class Scheduler:
         self.backend = backend
         self.max_num_seqs = min(config.max_num_seqs or cap.max_num_seqs, cap.max_num_seqs)
         self.token_budget = min(config.max_num_batched_tokens or cap.max_batch_tokens, cap.max_batch_tokens)
-        self.prefill_chunk = min(config.max_prefill_chunk or DEFAULT_PREFILL_CHUNK, self.token_budget)
+        # Prompt tokens per step while sequences decode (None: the whole budget; see config.yaml).
+        self.prefill_chunk = min(config.max_prefill_chunk or self.token_budget, self.token_budget)
         self.swap = config.preemption_mode == "swap" and backend.supports_state_swap
         self.waiting = WaitingQueue(config.policy)
         self.running: list[Request] = []
