@@ -4,6 +4,7 @@ from __future__ import annotations
 import collections
 import logging
 
+import numpy as np
 import pytest
 
 import cllm
@@ -108,3 +109,43 @@ def test_kv_unified_head_that_cannot_reserve_is_not_readmitted_every_step():
     counts = collections.Counter(admits)
     # the waiting one: refused at least once, admitted once after; 40 decode steps, not 40 admissions
     assert len(counts) == 2 and 2 <= max(counts.values()) <= 3, counts
+
+
+def test_batch_reaches_llama_cpp_in_seq_id_order_and_logits_come_back_in_the_callers():
+    """llama.cpp's split KV cache micro-batches only consecutive seq_ids in batch order, so the backend
+    sorts the batch by seq_id; the caller's order must not matter at all (same micro-batches: bit-exact)."""
+    from cllm.backends.llama_cpp.backend import LlamaCppBackend
+    from cllm.config import load_config
+
+    seen: list[list[int]] = []
+
+    class Recording(LlamaCppBackend):
+        def _run_decode(self) -> int:
+            seen.append(self._batch.seq[: self._batch.struct.n_tokens].tolist())
+            return super()._run_decode()
+
+    prompts = {"a": [1, 504, 3101, 288], "b": [1, 9906, 17, 3224, 42, 7], "c": [1, 2000, 30]}
+
+    def run(order: list[str]) -> dict[str, np.ndarray]:
+        backend = Recording(load_config(environ={}, n_threads=1, n_seq_max=6, n_ctx=6 * 256, prefix_cache=False))
+        try:
+            # seq_ids in admission order: 'c' gets 0, 'a' 1, 'b' 2 -- the batch order below differs
+            for sid in ("c", "a", "b"):
+                backend.admit(sid, prompts[sid])
+                backend.reserve(sid, 16)
+            flat = [t for s in order for t in prompts[s]]
+            pos = [i for s in order for i in range(len(prompts[s]))]
+            ids = [s for s in order for _ in prompts[s]]
+            rows = backend.forward_batch(flat, pos, ids, all_logits_for=["b"])
+            return {"last": rows[:3], "b_all": rows[3:], "wanted": list(dict.fromkeys(order))}
+        finally:
+            backend.close()
+
+    first, second = run(["a", "b", "c"]), run(["b", "c", "a"])
+    assert all(batch == sorted(batch) for batch in seen) and len(seen) == 2
+    for name in ("a", "b", "c"):  # rows come back in the caller's order of first appearance
+        i, j = first["wanted"].index(name), second["wanted"].index(name)
+        np.testing.assert_array_equal(first["last"][i], second["last"][j])
+    assert first["b_all"].shape[0] == len(prompts["b"])
+    np.testing.assert_array_equal(first["b_all"], second["b_all"])
+    np.testing.assert_array_equal(first["b_all"][-1], first["last"][first["wanted"].index("b")])

@@ -87,3 +87,15 @@ def test_choose_takes_the_least_recently_used_slot_when_none_is_empty():
     a.tokens, b.tokens = [1, 2, 3, 4], [1, 9, 9, 9]
     slot, match = pool.choose([1, 5, 6, 7], min_match=2)
     assert slot is a and match is None  # a was used longest ago; the 1-token match is not worth it
+
+
+def test_choose_takes_the_empty_slot_with_the_lowest_seq_id():
+    # llama.cpp's split KV cache micro-batches only consecutive seq_ids: keep the running ones packed.
+    pool = SeqSlotPool(size=4)
+    s0, s1, s2, s3 = sorted(pool.idle(), key=lambda s: s.seq_id)
+    for rid, slot in (("w", s3), ("x", s0), ("y", s2), ("z", s1)):  # every slot used once, in another order
+        pool.acquire(rid, slot)
+    for rid in ("z", "x"):
+        pool.release(rid)  # s1 then s0 free again, both empty; s0 was released last
+    slot, match = pool.choose([5, 6, 7], min_match=2)
+    assert slot is s0 and match is None

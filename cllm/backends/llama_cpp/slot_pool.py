@@ -85,7 +85,7 @@ class SeqSlotPool:
         """The idle slot a prompt should take, and the prefix match worth reusing (None if none).
 
         A match counts only when it is at least ``min_match`` tokens long; without one the prompt
-        takes an empty slot, else the least recently used idle slot. When the returned match lives
+        takes the empty slot with the lowest seq_id, else the least recently used idle slot. When the returned match lives
         in another slot, the caller may copy the prefix from it. None when no slot is idle.
         """
         with self.lock:
@@ -95,7 +95,9 @@ class SeqSlotPool:
             match = self.best_prefix(tokens) if min_match > 0 else None
             if match is not None and match.length < min_match:
                 match = None
-            empty = [s for s in idle if not s.tokens]
+            # Empty slots lowest seq_id first: running seq_ids stay packed, and llama.cpp's split KV cache
+            # batches only consecutive seq_ids into one micro-batch (a gap costs another weight pass).
+            empty = sorted((s for s in idle if not s.tokens), key=lambda s: s.seq_id)
             if match is not None and match.slot.owner is None:
                 # Reusing the slot in place cuts its KV after the match; when that would lose more
                 # than it keeps and an empty slot is free, take the empty one (the caller copies the
