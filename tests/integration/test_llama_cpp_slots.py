@@ -149,3 +149,16 @@ def test_batch_reaches_llama_cpp_in_seq_id_order_and_logits_come_back_in_the_cal
     assert first["b_all"].shape[0] == len(prompts["b"])
     np.testing.assert_array_equal(first["b_all"], second["b_all"])
     np.testing.assert_array_equal(first["b_all"][-1], first["last"][first["wanted"].index("b")])
+
+
+def test_a_short_prompt_seen_before_is_copied_into_an_empty_slot_not_prefilled_again(llm):
+    # The cached slot holds prompt + output; cutting it in place would lose more than it keeps, so the
+    # prompt takes an empty slot and the prefix is copied over (a whole split-KV stream: ~2 ms here).
+    prompt = "The quick brown fox jumps over the lazy dog near the river bank."
+    params = cllm.SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+    first = llm.generate([prompt], params)[0]
+    assert 8 <= len(first.prompt_token_ids) < 32
+    again = llm.generate([prompt], params)[0]
+    assert again.usage.cached_tokens == len(again.prompt_token_ids) - 1
+    holders = [s for s in llm.engine.backend._pool.idle() if s.tokens[: len(first.prompt_token_ids)] == first.prompt_token_ids]
+    assert len(holders) == 2  # the first request's cache is still whole beside the copy
