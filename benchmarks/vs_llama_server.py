@@ -121,7 +121,7 @@ def build_llama_server() -> Path:
     CACHE.mkdir(parents=True, exist_ok=True)
     sdist = CACHE / f"llama_cpp_python-{LLAMA_CPP_PYTHON}.tar.gz"
     if not sdist.is_file():
-        _run([sys.executable, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps", "--no-build-isolation",
+        _run([sys.executable, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps",
               f"llama-cpp-python=={LLAMA_CPP_PYTHON}", "-d", str(CACHE)])
     src = CACHE / f"llama_cpp_python-{LLAMA_CPP_PYTHON}" / "vendor" / "llama.cpp"
     if not src.is_dir():
