@@ -11,6 +11,7 @@ import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -23,6 +24,23 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def wait_until_ready(proc: subprocess.Popen, url: str, *, timeout_s: float, what: str,
+                     log_tail: Callable[[], str], interval_s: float = 0.1) -> None:
+    """Poll ``url`` until it answers 200; RuntimeError with the log's tail if ``proc`` exits first or
+    ``timeout_s`` passes."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with {proc.returncode}:\n{log_tail()}")
+        try:
+            if httpx.get(url, timeout=2.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(interval_s)
+    raise RuntimeError(f"{what} not ready after {timeout_s:.0f} s:\n{log_tail()}")
+
+
 class BenchServer:
     """``cmd`` started with its output in a temporary log; ready once ``ready_path`` answers 200."""
 
@@ -31,18 +49,12 @@ class BenchServer:
         self.name, self.port = name, port
         self.log = tempfile.NamedTemporaryFile(prefix=f"bench-{name}-", suffix=".log", delete=False)  # noqa: SIM115
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{name} exited: {Path(self.log.name).read_text()[-3000:]}")
-            try:
-                if httpx.get(f"{self.url}{ready_path}", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        self.stop()
-        raise RuntimeError(f"{name} did not become ready within {timeout_s:.0f} s")
+        try:
+            wait_until_ready(self.proc, f"{self.url}{ready_path}", timeout_s=timeout_s, what=name,
+                             log_tail=lambda: Path(self.log.name).read_text(errors="replace")[-3000:], interval_s=0.2)
+        except RuntimeError:
+            self.stop()
+            raise
 
     @property
     def url(self) -> str:

@@ -4,26 +4,19 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
 
+from cllm.bench.server_process import free_port, wait_until_ready
+
 STARTUP_TIMEOUT_S = 90.0
 API_KEY = "test-secret-key"
-
-
-def free_port() -> int:
-    """A port nobody listens on right now (127.0.0.1 only)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @dataclass
@@ -71,17 +64,8 @@ class ServerProcess:
         return self.log_path.read_text(errors="replace")
 
     def wait_ready(self, timeout_s: float = STARTUP_TIMEOUT_S) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"cllm serve exited with {self.proc.returncode}:\n{self.log_text()[-4000:]}")
-            try:
-                if httpx.get(f"{self.base_url}/health", timeout=2.0).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-        raise RuntimeError(f"cllm serve not ready after {timeout_s}s:\n{self.log_text()[-4000:]}")
+        wait_until_ready(self.proc, f"{self.base_url}/health", timeout_s=timeout_s, what="cllm serve",
+                         log_tail=lambda: self.log_text()[-4000:])
 
     def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 30.0) -> int:
         """Signal the server and wait for it; kills it (and fails) if it does not exit in time."""

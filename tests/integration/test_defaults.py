@@ -31,7 +31,8 @@ def test_cllm_serve_on_its_defaults_answers_chat_and_embeddings() -> None:
     model.close()
     fits = kv_shape(None, None, n_ctx_train=8192, bytes_per_token=per_token, available_bytes=available_memory())[1]
     assert models["data"][0]["max_model_len"] == 2048
-    assert 1 <= slots <= MAX_AUTO_SEQS and (slots == MAX_AUTO_SEQS or abs(slots - fits) <= 2)
+    # the server read the memory before its own KV took any; +-2 allows for what else moved since
+    assert abs(slots - min(MAX_AUTO_SEQS, fits)) <= 2
     assert chat.status_code == 200, chat.text
     assert chat.json()["usage"]["completion_tokens"] >= 1
     assert emb.status_code == 200, emb.text

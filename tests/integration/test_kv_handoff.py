@@ -18,6 +18,7 @@ from cllm.engine.llm_engine import LLMEngine
 from cllm.handoff.local import hand_off
 from cllm.handoff.transfer import KVReceiver, KVSender, TransferStatus, send
 from tests.integration.test_torch_parity import _llama, _randomize_non_matrix_params, _save_tiny_tokenizer
+from tests.unit.fakes import run_all
 
 PROMPT = "The three primary colors are"
 LONG_PROMPT = ("Write a short story about a lighthouse keeper who finds a message in a bottle. "
@@ -27,17 +28,6 @@ GREEDY = cllm.SamplingParams(max_tokens=24, temperature=0)
 # pair, and the reference run, use the same chunks.
 SETTINGS = dict(n_threads=1, n_seq_max=2, n_ctx=1024, prefix_cache=False, max_num_batched_tokens=16)
 TORCH_SETTINGS = dict(n_threads=1, n_seq_max=2, n_ctx=256, backend="torch", dtype="float32", device="cpu", block_size=4)
-
-
-def run_to_end(engine: LLMEngine) -> dict[str, cllm.RequestOutput]:
-    final = {}
-    for _ in range(10_000):
-        if not engine.has_unfinished():
-            return final
-        for out in engine.step():
-            if out.finished:
-                final[out.request_id] = out
-    raise AssertionError("engine did not finish")
 
 
 def steps(engine: LLMEngine, n: int) -> None:
@@ -72,7 +62,7 @@ def torch_pair(tiny_llama: str) -> Iterator[tuple[cllm.LLM, cllm.LLM]]:
 
 def reference(llm: cllm.LLM, prompt: str, params: cllm.SamplingParams) -> list[int]:
     llm.engine.add_request(prompt, params, request_id="ref")
-    return run_to_end(llm.engine)["ref"].outputs[0].token_ids
+    return run_all(llm.engine)["ref"].outputs[0].token_ids
 
 
 def test_llama_cpp_greedy_output_is_identical_through_a_hand_off(llama_pair):
@@ -85,7 +75,7 @@ def test_llama_cpp_greedy_output_is_identical_through_a_hand_off(llama_pair):
     assert a.engine.num_handed_off >= 1
     assert report.num_chunks == -(-report.kv_bytes // (32 * 1024)) > 1
     assert a.engine.backend.num_free_slots() == 2 and not a.engine.has_unfinished()
-    out = run_to_end(b.engine)["h"]
+    out = run_all(b.engine)["h"]
     assert out.outputs[0].token_ids == expected
     assert out.outputs[0].text == a.tokenizer.decode(expected)
     assert out.usage.completion_tokens == 24 and out.outputs[0].finish_reason == "length"
@@ -101,7 +91,7 @@ def test_llama_cpp_hand_off_mid_prefill(llama_pair):
     steps(a.engine, 1)
     report = hand_off(a.engine, b.engine, "p", chunk_bytes=64 * 1024)
     assert report.kv_tokens == 16 < len(a.tokenizer.encode(LONG_PROMPT))
-    assert run_to_end(b.engine)["p"].outputs[0].token_ids == expected
+    assert run_all(b.engine)["p"].outputs[0].token_ids == expected
 
 
 def test_llama_cpp_interrupted_transfer_resumes(llama_pair):
@@ -116,7 +106,7 @@ def test_llama_cpp_interrupted_transfer_resumes(llama_pair):
     assert receiver.next_index == 3 and sender.header.num_chunks > 3
     assert send(sender, receiver) is TransferStatus.DONE  # resumed from chunk 3
     b.engine.import_request(snap, receiver.segments())
-    assert run_to_end(b.engine)["i"].outputs[0].token_ids == expected
+    assert run_all(b.engine)["i"].outputs[0].token_ids == expected
 
 
 def test_llama_cpp_seeded_sample_continues_its_random_stream(llama_pair):
@@ -126,7 +116,7 @@ def test_llama_cpp_seeded_sample_continues_its_random_stream(llama_pair):
     a.engine.add_request(PROMPT, params, request_id="s")
     steps(a.engine, 6)
     hand_off(a.engine, b.engine, "s", chunk_bytes=1 << 20)
-    assert run_to_end(b.engine)["s"].outputs[0].token_ids == expected
+    assert run_all(b.engine)["s"].outputs[0].token_ids == expected
 
 
 def test_torch_hand_off_scatter_gathers_over_non_contiguous_blocks(torch_pair, tiny_llama):
@@ -140,7 +130,7 @@ def test_torch_hand_off_scatter_gathers_over_non_contiguous_blocks(torch_pair, t
     with cllm.LLM(model=tiny_llama, **TORCH_SETTINGS) as ref:
         for rid, prompt in prompts.items():
             ref.engine.add_request(prompt, params, request_id=rid)
-        expected = {rid: out.outputs[0].token_ids for rid, out in run_to_end(ref.engine).items()}
+        expected = {rid: out.outputs[0].token_ids for rid, out in run_all(ref.engine).items()}
     for rid, prompt in prompts.items():
         a.engine.add_request(prompt, params, request_id=rid)
     steps(a.engine, 10)
@@ -149,7 +139,7 @@ def test_torch_hand_off_scatter_gathers_over_non_contiguous_blocks(torch_pair, t
     reports = [hand_off(a.engine, b.engine, rid, chunk_bytes=4096) for rid in prompts]
     assert all(r.num_chunks > 1 for r in reports)
     assert a.engine.backend.blocks.num_used_blocks == 0
-    outs = run_to_end(b.engine)
+    outs = run_all(b.engine)
     assert {rid: out.outputs[0].token_ids for rid, out in outs.items()} == expected
     assert b.engine.backend.blocks.num_used_blocks == 0  # every block given back
 
@@ -164,6 +154,6 @@ def test_llama_cpp_constrained_request_keeps_its_grammar_through_a_hand_off(llam
     a.engine.add_request(prompt, params, request_id="j")
     steps(a.engine, 6)
     hand_off(a.engine, b.engine, "j", chunk_bytes=1 << 20)
-    out = run_to_end(b.engine)["j"].outputs[0]
+    out = run_all(b.engine)["j"].outputs[0]
     assert out.token_ids == expected
     assert out.text.lstrip().startswith("{")

@@ -34,6 +34,8 @@ def test_a_set_value_is_kept_and_the_other_follows():
     assert kv_shape(32768, None, n_ctx_train=8192, bytes_per_token=SMOLLM2, available_bytes=24 * GIB) == (32768, 64)
     assert kv_shape(4096, None, n_ctx_train=8192, bytes_per_token=SMOLLM2, available_bytes=24 * GIB) == (4096, 8)
     assert kv_shape(100, None, n_ctx_train=8192, bytes_per_token=SMOLLM2, available_bytes=24 * GIB) == (100, 1)
+    # n_ctx fixes the memory: the machine's does not change how it is split
+    assert kv_shape(32768, None, n_ctx_train=8192, bytes_per_token=LLAMA_8B, available_bytes=GIB) == (32768, 64)
     assert kv_shape(1000, 3, n_ctx_train=8192, bytes_per_token=SMOLLM2, available_bytes=1) == (1000, 3)
 
 

@@ -10,16 +10,16 @@ machine's memory at run time:
 - each sequence gets ``DEFAULT_SEQ_CTX`` cells (capped by the model's trained
   context), the per-sequence context cllm has always had;
 - ``n_seq_max`` is as many such sequences as fit in ``KV_MEMORY_SHARE`` of the
-  memory available now, at most ``MAX_AUTO_SEQS`` (64, llama-server's best ``-np``
-  for 64 clients on 2 cores; a client beyond the slots waits in the queue and,
-  joining mid-decode, stalls the others with its prefill), at least 1;
-- given ``n_ctx`` but no ``n_seq_max``: as many sequences as give each at least
-  ``MIN_AUTO_SEQ_CTX`` cells (and fit in memory);
+  memory available now, at most ``MAX_AUTO_SEQS`` (64: the most clients
+  benchmarks/vs_llama_server.py runs; a client beyond the slots waits in the queue
+  and, joining mid-decode, stalls the others with its prefill), at least 1;
+- given ``n_ctx`` but no ``n_seq_max`` (the memory is then fixed by ``n_ctx``): as
+  many sequences as give each at least ``MIN_AUTO_SEQ_CTX`` cells, at most 64;
 - given ``n_seq_max`` but no ``n_ctx``: ``n_seq_max`` sequences of the default size.
 
 For the embedded SmolLM2-135M (23 KB of f16 KV per token) on a 24 GB machine
 that is 64 sequences of 2,048 cells: 3 GB of KV. An 8B model (128 KB per token)
-on the same machine gets about 8.
+on the same machine gets about 12.
 """
 from __future__ import annotations
 
@@ -69,8 +69,10 @@ def kv_shape(n_ctx: int | None, n_seq_max: int | None, *, n_ctx_train: int, byte
     """(n_ctx, n_seq_max) with unset values (None) chosen as the module docstring says."""
     seq_ctx = min(DEFAULT_SEQ_CTX, n_ctx_train) if n_ctx_train > 0 else DEFAULT_SEQ_CTX
     if n_seq_max is None:
-        fit = int(available_bytes * KV_MEMORY_SHARE // max(1.0, seq_ctx * bytes_per_token))
-        n_seq_max = fit if n_ctx is None else min(fit, n_ctx // MIN_AUTO_SEQ_CTX)
+        if n_ctx is None:
+            n_seq_max = int(available_bytes * KV_MEMORY_SHARE // max(1.0, seq_ctx * bytes_per_token))
+        else:
+            n_seq_max = n_ctx // MIN_AUTO_SEQ_CTX
         n_seq_max = max(1, min(MAX_AUTO_SEQS, n_seq_max))
     if n_ctx is None:
         n_ctx = n_seq_max * seq_ctx
