@@ -241,8 +241,10 @@ class LLMEngine:
         sampled_reqs = [c.request for c in out.chunks if c.sample]
         # The grammar masks of this step's constrained rows are filled while the forward pass runs.
         mask = self.structured.start_fill(sampled_reqs)
+        started = time.perf_counter()
         try:
             logits = self._forward(out.chunks)
+            self.scheduler.observe_step(out.num_tokens, time.perf_counter() - started)
         except KVCacheFullError as err:
             if self.scheduler.preempt_for_kv(err.sequence_ids) is None:
                 self._fail(err.sequence_ids, str(err), touched)

@@ -19,6 +19,11 @@ from cllm.scheduler.output import ScheduledChunk, SchedulerOutput
 from cllm.scheduler.queue import WaitingQueue
 
 
+MIN_PREFILL_PER_STEP = 16  # prompt tokens a step carries beside decodes however slow a token is
+COST_SAMPLE_TOKENS = 32  # smallest step whose time counts towards the cost per token
+COST_SMOOTHING = 0.2  # weight of the newest step in that moving average
+
+
 @dataclass(slots=True, frozen=True)
 class _RefusedAdmission:
     """The last admission the backend refused, and the state it was refused in."""
@@ -38,6 +43,10 @@ class Scheduler:
         self.token_budget = min(config.max_num_batched_tokens or cap.max_batch_tokens, cap.max_batch_tokens)
         # Prompt tokens per step while sequences decode (None: the whole budget; see config.yaml).
         self.prefill_chunk = min(config.max_prefill_chunk or self.token_budget, self.token_budget)
+        # Seconds per batched token (an average over steps of at least COST_SAMPLE_TOKENS), measured by
+        # the engine: with max_decode_stall_ms it turns a step-time bound into a token bound.
+        self.stall_s = None if config.max_decode_stall_ms is None else config.max_decode_stall_ms / 1000
+        self.seconds_per_token: float | None = None
         self.swap = config.preemption_mode == "swap" and backend.supports_state_swap
         self.waiting = WaitingQueue(config.policy)
         self.running: list[Request] = []
@@ -118,7 +127,7 @@ class Scheduler:
         # While anyone decodes, prompts get at most one bounded chunk per step (the decodes' wait);
         # with nobody decoding (a burst of arrivals) they may fill the whole budget, as llama-server
         # fills its n_batch, since no one waits on them.
-        prefill_left = self.prefill_chunk if decoding else self.token_budget
+        prefill_left = self._prefill_while_decoding(len(decoding)) if decoding else self.token_budget
         for group in (decoding, prefilling):
             for req in group:
                 budget = self.token_budget - out.num_tokens
@@ -137,6 +146,23 @@ class Scheduler:
                 if group is prefilling:
                     prefill_left -= n
         return min(self.token_budget - out.num_tokens, prefill_left)
+
+    def _prefill_while_decoding(self, num_decoding: int) -> int:
+        """Prompt tokens a step may carry beside ``num_decoding`` decodes: max_prefill_chunk, and
+        what keeps the step within max_decode_stall_ms at the measured cost per token."""
+        chunk = self.prefill_chunk
+        if self.stall_s is not None and self.seconds_per_token is not None:
+            chunk = min(chunk, max(MIN_PREFILL_PER_STEP, int(self.stall_s / self.seconds_per_token) - num_decoding))
+        return chunk
+
+    def observe_step(self, num_tokens: int, seconds: float) -> None:
+        """The engine reports each forward pass: keeps the cost per token current (a moving average
+        of steps big enough that the per-step overhead does not dominate)."""
+        if num_tokens < COST_SAMPLE_TOKENS or seconds <= 0:
+            return
+        cost = seconds / num_tokens
+        prev = self.seconds_per_token
+        self.seconds_per_token = cost if prev is None else prev + COST_SMOOTHING * (cost - prev)
 
     def _reserve_or_preempt(self, req: Request, num_tokens: int, out: SchedulerOutput) -> bool:
         while not self.backend.reserve(req.request_id, num_tokens):

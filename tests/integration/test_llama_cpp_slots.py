@@ -19,15 +19,21 @@ def llm():
         yield llm
 
 
-def test_unrelated_prompt_leaves_a_cached_conversation_alone(llm):
-    llm.chat(CONVERSATION, GREEDY)
-    backend = llm.engine.backend
-    held = [s for s in backend._pool.idle() if s.tokens]
-    assert len(held) == 1 and len(held[0].tokens) > 100
-    conversation_tokens = list(held[0].tokens)
-    llm.chat([{"role": "user", "content": "Hi"}], GREEDY)  # shares only the chat header
-    assert any(s.tokens == conversation_tokens for s in backend._pool.idle())
-    again = llm.chat(CONVERSATION, GREEDY)[0]
+@pytest.mark.parametrize("prompt_cache_mib", [None, 0])
+def test_unrelated_prompt_leaves_a_cached_conversation_alone(prompt_cache_mib):
+    # "Hi" shares only the chat header: cutting the conversation's slot in place would lose more than
+    # it keeps, so "Hi" takes an empty slot, with or without the host prompt cache (which would
+    # otherwise have to take the conversation), and the conversation comes back whole.
+    with cllm.LLM(n_threads=1, n_seq_max=4, prompt_cache_mib=prompt_cache_mib) as llm:
+        llm.chat(CONVERSATION, GREEDY)
+        backend = llm.engine.backend
+        held = [s for s in backend._pool.idle() if s.tokens]
+        assert len(held) == 1 and len(held[0].tokens) > 100
+        conversation_tokens = list(held[0].tokens)
+        llm.chat([{"role": "user", "content": "Hi"}], GREEDY)  # shares only the chat header
+        in_slots = any(s.tokens == conversation_tokens for s in backend._pool.idle())
+        assert in_slots and len(backend._saved) == 0
+        again = llm.chat(CONVERSATION, GREEDY)[0]
     assert again.usage.cached_tokens >= len(conversation_tokens) - 9  # the whole prompt but its last token
 
 
@@ -151,14 +157,43 @@ def test_batch_reaches_llama_cpp_in_seq_id_order_and_logits_come_back_in_the_cal
     np.testing.assert_array_equal(first["b_all"][-1], first["last"][first["wanted"].index("b")])
 
 
-def test_a_short_prompt_seen_before_is_copied_into_an_empty_slot_not_prefilled_again(llm):
-    # The cached slot holds prompt + output; cutting it in place would lose more than it keeps, so the
-    # prompt takes an empty slot and the prefix is copied over (a whole split-KV stream: ~2 ms here).
+@pytest.mark.parametrize("prompt_cache_mib", [None, 0])
+def test_a_short_prompt_seen_before_is_not_prefilled_again(prompt_cache_mib):
+    # The cached slot holds prompt + output: cutting it in place would lose more than it keeps, so
+    # the prompt takes an empty slot and the prefix is copied over (save + load: ~1 ms here), with
+    # or without the host prompt cache.
     prompt = "The quick brown fox jumps over the lazy dog near the river bank."
     params = cllm.SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
-    first = llm.generate([prompt], params)[0]
-    assert 8 <= len(first.prompt_token_ids) < 32
-    again = llm.generate([prompt], params)[0]
-    assert again.usage.cached_tokens == len(again.prompt_token_ids) - 1
-    holders = [s for s in llm.engine.backend._pool.idle() if s.tokens[: len(first.prompt_token_ids)] == first.prompt_token_ids]
-    assert len(holders) == 2  # the first request's cache is still whole beside the copy
+    with cllm.LLM(n_threads=1, n_seq_max=4, prompt_cache_mib=prompt_cache_mib) as llm:
+        first = llm.generate([prompt], params)[0]
+        assert 8 <= len(first.prompt_token_ids) < 32
+        again = llm.generate([prompt], params)[0]
+        assert again.usage.cached_tokens == len(again.prompt_token_ids) - 1
+        n = len(first.prompt_token_ids)
+        holders = [s for s in llm.engine.backend._pool.idle() if s.tokens[:n] == first.prompt_token_ids]
+        saved = llm.engine.backend._saved
+    assert len(holders) == 2 and len(saved) == 0  # the first request's cache is still whole beside the copy
+
+
+def test_a_prompt_evicted_from_its_slot_comes_back_from_the_host_prompt_cache():
+    # The only slot is taken by another prompt: the first prompt's KV goes to host memory and is
+    # loaded back for its return, bit-exact with a run whose slot was never taken.
+    prompt = "The history of bread begins in the ancient Near East, where people first ground wild grain"
+    other = "Write a haiku about the sea at night, with the moon on the water"
+    with cllm.LLM(n_threads=1, n_seq_max=4, prompt_cache_mib=0) as roomy:
+        roomy.generate([prompt], GREEDY)
+        roomy.generate([other], GREEDY)  # takes an empty slot: nothing evicted
+        assert sum(1 for s in roomy.engine.backend._pool.idle() if s.tokens) == 2
+        expected = roomy.generate([prompt], GREEDY)[0]
+    assert expected.usage.cached_tokens == len(expected.prompt_token_ids) - 1
+    for mib in (None, 0):  # default on; 0 = off, and the prompt is prefilled again
+        with cllm.LLM(n_threads=1, n_seq_max=1, prompt_cache_mib=mib) as llm:
+            llm.generate([prompt], GREEDY)
+            llm.generate([other], GREEDY)
+            assert len(llm.engine.backend._saved) == (0 if mib == 0 else 1)
+            out = llm.generate([prompt], GREEDY)[0]
+        if mib is None:
+            assert out.usage.cached_tokens == expected.usage.cached_tokens
+            assert out.outputs[0].token_ids == expected.outputs[0].token_ids
+        else:  # a whole-prompt prefill: other kernels than one token's, so no bit-exactness asserted
+            assert out.usage.cached_tokens == 0

@@ -339,7 +339,13 @@ def test_stream_disconnect_frees_slot(server: ServerProcess) -> None:
         lines = resp.iter_lines()
         got = [line for line, _ in zip(lines, range(6))]
         assert resp.status_code == 200 and any(line.startswith("data: ") for line in got), got
-        running = engine_state(server)["running"]
+        # /v1/engine serves a snapshot the busy engine republishes every 50 ms: poll for the step's view.
+        deadline = time.monotonic() + 5.0
+        while True:
+            running = engine_state(server)["running"]
+            if (len(running) == 1 and running[0]["slot"] is not None) or time.monotonic() > deadline:
+                break
+            time.sleep(0.02)
         assert len(running) == 1 and running[0]["slot"] is not None and running[0]["num_output_tokens"] > 0
         assert running[0]["age_s"] >= 0
     # Leaving the `with` closed the connection mid-stream.

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import cllm
+from cllm.engine import async_llm
 from cllm.backends.llama_cpp.threads import default_n_threads, physical_cores, usable_cpus
 from tests.unit.fakes import FakeBackend, fake_config
 
@@ -40,6 +41,32 @@ def test_one_event_loop_wake_up_per_step_for_all_streams():
     # 8 streams x 10 tokens: per-request delivery would take >= 80 wake-ups; per-step takes one a
     # step (plus one per request and for shutdown, from asyncio.to_thread work done off the loop).
     assert calls <= steps + len(results) + 3, (calls, steps)
+
+
+def test_requests_arriving_at_an_idle_engine_in_a_burst_share_its_first_step(monkeypatch):
+    # Clients whose previous requests ended together send their next ones a few ms apart: the first
+    # step waits for the burst to end (no arrival for BURST_QUIET_S) rather than start with the first
+    # request and stall its decodes with the rest's prefill one step later. Widened here (50 ms quiet,
+    # arrivals 5 ms apart) so a loaded machine's late sleeps cannot split the burst.
+    monkeypatch.setattr(async_llm, "BURST_QUIET_S", 0.05)
+    monkeypatch.setattr(async_llm, "BURST_MAX_WAIT_S", 2.0)
+
+    async def main() -> list[str]:
+        backend = FakeBackend(slots=8, forward_sleep_s=0.0005)
+        engine = cllm.AsyncLLM(backend=backend, config=fake_config())
+
+        async def one(i: int) -> None:
+            await asyncio.sleep(0.005 * i)
+            async for _ in engine.generate([i + 1], cllm.SamplingParams(max_tokens=4, temperature=0),
+                                           request_id=f"r{i}"):
+                pass
+        try:
+            await asyncio.gather(*(one(i) for i in range(6)))
+        finally:
+            await engine.shutdown()
+        return backend.batches[0][2]
+
+    assert sorted(asyncio.run(main())) == [f"r{i}" for i in range(6)]
 
 
 def test_physical_cores_counts_smt_siblings_once(tmp_path):

@@ -265,3 +265,30 @@ def test_prefill_is_chunked_only_while_someone_decodes():
     for ids, _, seqs in backend.batches[1:4]:
         assert seqs.count("late") <= 8 and "a" in seqs and "b" in seqs
     assert run_all(engine)["late"].outputs[0].token_ids == [40, 41, 42, 43, 44]
+
+
+def test_prefill_beside_decodes_is_cut_to_the_stall_bound_at_the_measured_cost():
+    engine, backend = make_engine(FakeBackend(max_batch_tokens=256), max_decode_stall_ms=100)
+    sched = engine.scheduler
+    engine.add_request(list(range(40)), GREEDY, request_id="a")
+    engine.step()  # a 40-token step: the engine measured it
+    assert sched.seconds_per_token is not None and sched.seconds_per_token > 0
+    sched.observe_step(8, 10.0)  # too small a step to count
+    sched.seconds_per_token = 0.002  # 2 ms a token: a 100 ms step holds 50 tokens
+    sched.observe_step = lambda num_tokens, seconds: None  # keep it there (the fake is much faster)
+    engine.add_request([i % 60 for i in range(200)], GREEDY, request_id="late")
+    engine.step()
+    assert backend.batches[-1][2].count("late") == 49 and "a" in backend.batches[-1][2]  # 50 - a's decode
+    sched.seconds_per_token = 1.0  # a slow machine: prompts still move 16 tokens a step
+    engine.step()
+    assert backend.batches[-1][2].count("late") == 16
+    assert run_all(engine)["late"].outputs[0].token_ids == [20, 21, 22, 23, 24]  # the fake echoes last + 1
+
+
+def test_observe_step_averages_the_cost_per_token():
+    engine, _ = make_engine(FakeBackend(max_batch_tokens=64), max_decode_stall_ms=None)
+    sched = engine.scheduler
+    sched.observe_step(100, 0.1)
+    sched.observe_step(100, 0.2)
+    assert sched.seconds_per_token == pytest.approx(0.001 + 0.2 * 0.001)
+    assert sched._prefill_while_decoding(4) == sched.prefill_chunk  # no stall bound: the chunk alone

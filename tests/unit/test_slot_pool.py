@@ -99,3 +99,48 @@ def test_choose_takes_the_empty_slot_with_the_lowest_seq_id():
         pool.release(rid)  # s1 then s0 free again, both empty; s0 was released last
     slot, match = pool.choose([5, 6, 7], min_match=2)
     assert slot is s0 and match is None
+
+
+def test_choose_with_no_empty_slot_cuts_the_matched_tail_rather_than_evict_another_prompt():
+    # A full pool of prompt + answer caches (tail longer than the prompt): a prompt seen before
+    # must reuse its own slot in place, not copy into the LRU slot and evict another prompt's cache
+    # (which then misses and evicts the next: measured 61 of 64 repeated prompts prefilled again).
+    pool = SeqSlotPool(size=3)
+    a, b, c = sorted(pool.idle(), key=lambda s: s.seq_id)
+    for rid, slot in (("x", a), ("y", b), ("z", c)):
+        pool.acquire(rid, slot), pool.release(rid)
+    a.tokens = [1, 2, 3, 4] + list(range(100, 110))  # a is the least recently used
+    b.tokens = [5, 6, 7, 8] + list(range(200, 210))
+    c.tokens = [9, 9, 9, 9] + list(range(300, 310))
+    slot, match = pool.choose([5, 6, 7, 8], min_match=2)
+    assert slot is b and match.slot is b and match.length == 4
+    # A header shared with a long conversation: evicting a short LRU cache loses fewer tokens.
+    b.tokens = [5, 6] + list(range(1000, 3000))
+    slot, match = pool.choose([5, 6, 40, 41], min_match=2)
+    assert slot is a and match.slot is b and match.length == 2
+
+
+def test_choose_packed_takes_the_idle_seq_id_next_to_a_running_one_whatever_it_holds():
+    # Split KV: running seq_ids must stay consecutive, so the prompt goes to the lowest idle seq_id and
+    # the match (here in another slot) is reported for the caller to move over.
+    pool = SeqSlotPool(size=4)
+    s0, s1, s2, s3 = sorted(pool.idle(), key=lambda s: s.seq_id)
+    pool.acquire("running", s0)
+    s1.tokens, s2.tokens = [7, 7, 7], [1, 2, 3, 4]
+    slot, match = pool.choose([1, 2, 3, 9], min_match=2, pack=True)
+    assert slot is s1 and match.slot is s2 and match.length == 3
+    slot, match = pool.choose([5, 5], min_match=2, pack=True)
+    assert slot is s1 and match is None
+
+
+def test_choose_packed_keeps_running_seq_ids_next_to_each_other():
+    pool = SeqSlotPool(size=6)
+    s = sorted(pool.idle(), key=lambda x: x.seq_id)
+    s[4].tokens = [1, 2, 3, 4, 5]  # a cached prompt + answer
+    # Nothing runs: the match is used in place (it keeps more than it loses)...
+    slot, match = pool.choose([1, 2, 3, 4], min_match=2, pack=True)
+    assert slot is s[4] and match.slot is s[4]
+    pool.acquire("r4", s[4])
+    # ...and the next prompt goes next to it, not to the lowest empty seq_id (0): a gap splits batches.
+    slot, match = pool.choose([9, 9], min_match=2, pack=True)
+    assert slot is s[3] and match is None

@@ -28,7 +28,8 @@ from cllm.backends.base import Admission, Backend, BackendCapacity, BackendError
 from cllm.backends.llama_cpp.embedder import LlamaEmbedder
 from cllm.backends.llama_cpp.native import LlamaBatchBuffer, LlamaContextHandle, LlamaModelHandle
 from cllm.backends.llama_cpp.offload import kv_cache_type, resolve_gpu_layers
-from cllm.backends.llama_cpp.sizing import available_memory, kv_shape
+from cllm.backends.llama_cpp.prompt_cache import PromptCache, SavedPrompt
+from cllm.backends.llama_cpp.sizing import available_memory, kv_shape, prompt_cache_bytes
 from cllm.backends.llama_cpp.slot_pool import SeqSlotPool, Slot
 from cllm.backends.llama_cpp.threads import default_n_threads
 from cllm.backends.llama_cpp.tokenizer import LlamaCppTokenizer
@@ -37,11 +38,13 @@ from cllm.model_path import resolve_model_path
 
 DECODE_OK = 0
 DECODE_NO_KV_SLOT = 1
-# A split-KV copy moves a whole stream (n_ctx/n_seq_max cells): measured 2.3 ms for SmolLM2's
-# 2048-cell stream (47 MB), about what prefilling one prompt token costs on 2 cores (2.2 ms), so a
-# copy pays off for any real prefix. (It was 32: a 32-token prompt seen before was prefilled again,
-# as its reusable prefix is its length - 1.)
-MIN_STREAM_COPY_TOKENS = 8
+# Fewest prefix tokens copied from another split-KV sequence rather than prefilled again. A copy
+# costs ~1.2 ms for a 95-token source of SmolLM2 (save + load), about what prefilling one token
+# does (2.2 ms on 2 cores); below 8 tokens it is not worth the bookkeeping.
+MIN_COPY_TOKENS = 8
+# Fewest tokens an evicted sequence must lose to be saved to the host prompt cache: saving costs
+# ~1 ms (95 tokens of SmolLM2), prefilling 8 tokens again ~18 ms.
+MIN_SAVE_TOKENS = 8
 
 
 class LlamaCppBackend(Backend):
@@ -60,9 +63,10 @@ class LlamaCppBackend(Backend):
         self.n_gpu_layers = resolve_gpu_layers(lc.n_gpu_layers)
         self._n_threads = m.n_threads or default_n_threads()  # shared by the embeddings context
         self._model = LlamaModelHandle(path=path, n_gpu_layers=self.n_gpu_layers)
+        memory = available_memory()
         n_ctx, n_seq_max = kv_shape(m.n_ctx, m.n_seq_max, n_ctx_train=self._model.n_ctx_train,
                                     bytes_per_token=self._model.kv_bytes_per_token(lc.type_k, lc.type_v),
-                                    available_bytes=available_memory())
+                                    available_bytes=memory)
         self._ctx = LlamaContextHandle(
             model=self._model, n_ctx=n_ctx, n_batch=m.n_batch, n_ubatch=lc.n_ubatch,
             n_seq_max=n_seq_max, n_threads=self._n_threads, flash_attn=lc.flash_attn, kv_unified=lc.kv_unified,
@@ -72,8 +76,16 @@ class LlamaCppBackend(Backend):
         self._tokenizer = LlamaCppTokenizer(model=self._model)
         self._pool = SeqSlotPool(size=n_seq_max)
         self._prefix_cache = lc.prefix_cache
+        self._saved = PromptCache(capacity_bytes=prompt_cache_bytes(lc.prompt_cache_mib, available_bytes=memory)
+                                  if lc.prefix_cache else 0)
         self._similarity = lc.slot_prompt_similarity
         self._unified = lc.kv_unified
+        # With split KV, llama.cpp batches into one micro-batch only sequences whose seq_ids run
+        # consecutively (see forward_batch), so a prompt takes the lowest idle seq_id and its cached
+        # prefix is moved there (a stream copy, ~2.3 ms, or a load from host memory) rather than the
+        # prompt running wherever its prefix happens to be: a gap costs a weight pass every step
+        # (32 sequences: 121 vs 92 ms per decode step). What the slot held goes to host memory first.
+        self._pack = not lc.kv_unified and self._saved.capacity_bytes > 0
         seq_cells = self._ctx.n_ctx if lc.kv_unified else self._ctx.n_ctx // n_seq_max
         self._capacity = BackendCapacity(
             max_num_seqs=n_seq_max,
@@ -121,22 +133,46 @@ class LlamaCppBackend(Backend):
         with self._pool.lock:
             use_cache = self._prefix_cache and reuse_prefix
             min_match = max(1, math.ceil(self._similarity * len(tokens))) if use_cache else 0
-            choice = self._pool.choose(tokens, min_match=min_match)
+            choice = self._pool.choose(tokens, min_match=min_match, pack=self._pack)
             if choice is None:
                 return None
             slot, match = choice
-            cached = match.length if match is not None and match.slot is slot else 0
             self._pool.acquire(sequence_id, slot)
-            cached = min(cached, len(tokens) - 1)
-            self._truncate(slot, cached)
-            # Recurrent/hybrid memory refuses partial removal and _truncate empties the slot: the
-            # cached count is what the slot really still holds, never what it held before.
-            cached = min(cached, len(slot.tokens))
-            if cached == 0 and match is not None and match.slot is not slot:
-                cached = self._copy_prefix(match.slot, slot, min(match.length, len(tokens) - 1))
+            limit = len(tokens) - 1  # the last prompt token is always evaluated: its logits are sampled
+            in_place = min(match.length, limit) if match is not None and match.slot is slot else 0
+            saved = self._saved.take(tokens, min_match=max(min_match, match.length + 1 if match else 0)) \
+                if use_cache and self._saved.capacity_bytes else None
+            self._save_evicted(slot, keep=0 if saved else in_place)
+            if saved is not None:
+                cached = self._load_saved(slot, *saved, limit=limit)
+            else:
+                self._truncate(slot, in_place)
+                # Recurrent/hybrid memory refuses partial removal and _truncate empties the slot: the
+                # cached count is what the slot really still holds, never what it held before.
+                cached = min(in_place, len(slot.tokens))
+                if cached == 0 and match is not None and match.slot is not slot:
+                    cached = self._copy_prefix(match.slot, slot, min(match.length, limit))
             slot.reserved = len(slot.tokens)
         self._uncounted[sequence_id] = (len(tokens), cached)
         return Admission(num_cached_tokens=cached)
+
+    def _save_evicted(self, slot: Slot, keep: int) -> None:
+        """Before a new prompt cuts ``slot`` to its first ``keep`` tokens: save what it holds to the
+        host prompt cache when more would be lost than kept (llama-server's rule, f_keep < 0.5)."""
+        lost = len(slot.tokens) - keep
+        if self._saved.capacity_bytes and lost > keep and lost >= MIN_SAVE_TOKENS:
+            self._saved.put(slot.tokens, self._ctx.save_seq(slot.seq_id))
+
+    def _load_saved(self, slot: Slot, saved: SavedPrompt, length: int, *, limit: int) -> int:
+        """Load a saved sequence into ``slot`` and keep its first ``length`` tokens (at most ``limit``);
+        the tokens the slot now holds."""
+        self._truncate(slot, 0)
+        if not self._ctx.load_seq(slot.seq_id, saved.state):
+            self._ctx.seq_rm(slot.seq_id)  # a partial load leaves nothing usable
+            return 0
+        slot.tokens = list(saved.tokens)
+        self._truncate(slot, min(length, limit))
+        return len(slot.tokens)
 
     def _truncate(self, slot: Slot, keep: int) -> None:
         """Drop the slot's KV from position ``keep`` on (all of it when keep=0)."""
@@ -151,20 +187,24 @@ class LlamaCppBackend(Backend):
                 del slot.tokens[keep:]
 
     def _copy_prefix(self, src: Slot, dst: Slot, length: int) -> int:
-        """Give ``dst`` the first ``length`` KV cells of another sequence (llama_memory_seq_cp).
+        """Give ``dst`` the first ``length`` KV cells of another sequence.
 
-        In a unified cache the cells are shared; across split KV streams llama.cpp
-        can only copy a whole stream, so the copy's tail is cut off afterwards,
-        and short prefixes are not worth that copy.
+        In a unified cache llama_memory_seq_cp shares the cells. Across split KV streams it
+        copies only whole streams, and only at the next llama_decode: a source slot loaded with
+        other KV before then (a prompt taking it this step) would hand over its new contents. So
+        the copy goes through the state API, which copies at once (~10 us per source token to
+        save, ~2 us to load, against ~2.2 ms to prefill a token), and the tail is cut off.
         """
         if self._unified:
             if length <= 0:
                 return 0
             self._ctx.seq_cp(src.seq_id, dst.seq_id, 0, length)
         else:
-            if length < MIN_STREAM_COPY_TOKENS:
+            if length < MIN_COPY_TOKENS:
                 return 0
-            self._ctx.seq_cp(src.seq_id, dst.seq_id, -1, -1)
+            if not self._ctx.load_seq(dst.seq_id, self._ctx.save_seq(src.seq_id)):
+                self._ctx.seq_rm(dst.seq_id)  # a partial load leaves nothing usable
+                return 0
             self._ctx.seq_rm(dst.seq_id, length, -1)
         dst.tokens = src.tokens[:length]
         return length
@@ -221,22 +261,26 @@ class LlamaCppBackend(Backend):
             raise ValueError(f"forward_batch needs equal, non-empty arrays (got {n}, {len(positions)}, {len(sequence_ids)})")
         slots, last_row = self._map_sequences(sequence_ids)
         wanted = list(last_row) if logits_for is None else list(logits_for)
-        rows = np.array([last_row[s] for s in wanted], dtype=np.int64)
+        rows = [last_row[s] for s in wanted]
         if all_logits_for:
-            rows = np.concatenate([rows, _rows_of(sequence_ids, all_logits_for)])
-        seq_arr = np.fromiter((slots[s].seq_id for s in sequence_ids), dtype=np.int32, count=n)
+            rows += _rows_of(sequence_ids, all_logits_for)
+        seq_ids = [slots[s].seq_id for s in sequence_ids]
         # Tokens go to llama.cpp ordered by seq_id: with a split KV cache it puts into one micro-batch
         # only sequences whose seq_ids run consecutively in batch order (llama_batch_allocr::split_equal,
         # "sequential"), so arrival order split a 32-sequence decode into many micro-batches, each
         # re-reading every weight (measured 190 vs 97 ms per step).
-        order = np.argsort(seq_arr, kind="stable")
-        position_of = np.empty(n, dtype=np.int64)
-        position_of[order] = np.arange(n)
-        rows = position_of[rows]
+        # The bookkeeping is plain Python on purpose: numpy's sorts (argsort, unique, searchsorted) drop
+        # the GIL, the event loop takes it, and the engine waited for it back before every decode
+        # (py-spy, one streaming client: 5 % of the engine thread's samples in np.unique).
+        order = sorted(range(n), key=seq_ids.__getitem__)  # stable
+        position_of = [0] * n
+        for new_pos, old_pos in enumerate(order):
+            position_of[old_pos] = new_pos
+        rows = [position_of[r] for r in rows]
         # llama.cpp computes one output row per flagged token, in batch order (a token flagged twice counts once).
-        flagged = np.unique(rows)
-        self._batch.fill(np.asarray(flat_ids, dtype=np.int32)[order], np.asarray(positions, dtype=np.int32)[order],
-                         seq_arr[order], flagged)
+        flagged = sorted(set(rows))
+        self._batch.fill([flat_ids[i] for i in order], [positions[i] for i in order], [seq_ids[i] for i in order],
+                         flagged)
         rc = self._run_decode()
         if rc == DECODE_NO_KV_SLOT:
             raise KVCacheFullError("llama_decode found no KV slot for the batch", list(slots))
@@ -247,7 +291,8 @@ class LlamaCppBackend(Backend):
             slots[sid].tokens.append(int(tok))
         self._count_prefix_stats(slots)
         # Reorder (and copy) the batch-order output rows into the order asked for.
-        return self._ctx.output_logits(len(flagged))[np.searchsorted(flagged, rows)]
+        row_of = {r: i for i, r in enumerate(flagged)}
+        return self._ctx.output_logits(len(flagged))[[row_of[r] for r in rows]]
 
     def _count_prefix_stats(self, slots: dict[str, Slot]) -> None:
         """Count the prefix-cache stats of sequences that just ran for the first time since admission."""
@@ -287,7 +332,7 @@ class LlamaCppBackend(Backend):
 
     # ------------------------------------------------------------ swap state
     def save_state(self, sequence_id: str) -> bytes:
-        return self._ctx.save_seq(self._owned(sequence_id).seq_id)
+        return bytes(self._ctx.save_seq(self._owned(sequence_id).seq_id))
 
     def restore_state(self, sequence_id: str, state: bytes, token_ids: Sequence[int] = ()) -> bool:
         slot = self._owned(sequence_id)
@@ -309,7 +354,10 @@ class LlamaCppBackend(Backend):
             model.close()
 
 
-def _rows_of(sequence_ids: Sequence[str], wanted: Sequence[str]) -> np.ndarray:
+def _rows_of(sequence_ids: Sequence[str], wanted: Sequence[str]) -> list[int]:
     """Batch rows of every token of the ``wanted`` sequences, grouped in ``wanted`` order."""
-    sids = np.asarray(sequence_ids, dtype=object)
-    return np.concatenate([np.flatnonzero(sids == s) for s in wanted]).astype(np.int64)
+    rows: dict[str, list[int]] = {s: [] for s in wanted}
+    for i, sid in enumerate(sequence_ids):
+        if sid in rows:
+            rows[sid].append(i)
+    return [i for s in wanted for i in rows[s]]

@@ -30,6 +30,8 @@ DEFAULT_SEQ_CTX = 2048  # KV cells per sequence when n_ctx is unset
 MIN_AUTO_SEQ_CTX = 512  # fewest cells per sequence when n_ctx is set and n_seq_max is not
 MAX_AUTO_SEQS = 64  # most sequences chosen automatically
 KV_MEMORY_SHARE = 0.125  # share of the available memory the automatic KV cache may take
+PROMPT_CACHE_SHARE = 0.125  # share of the available memory the host prompt cache may take by default
+MAX_AUTO_PROMPT_CACHE = 8 << 30  # llama-server's --cache-ram default (8192 MiB)
 
 # Bytes per element of each KV cache type (block types: block bytes / elements per block).
 KV_TYPE_BYTES = {
@@ -77,3 +79,11 @@ def kv_shape(n_ctx: int | None, n_seq_max: int | None, *, n_ctx_train: int, byte
     if n_ctx is None:
         n_ctx = n_seq_max * seq_ctx
     return n_ctx, n_seq_max
+
+
+def prompt_cache_bytes(prompt_cache_mib: int | None, *, available_bytes: int) -> int:
+    """The host prompt cache's bound: the configured MiB, or unset: ``PROMPT_CACHE_SHARE`` of the
+    memory available at start-up, at most llama-server's 8 GiB."""
+    if prompt_cache_mib is not None:
+        return prompt_cache_mib << 20
+    return int(min(MAX_AUTO_PROMPT_CACHE, available_bytes * PROMPT_CACHE_SHARE))
