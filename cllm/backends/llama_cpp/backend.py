@@ -81,10 +81,11 @@ class LlamaCppBackend(Backend):
         self._similarity = lc.slot_prompt_similarity
         self._unified = lc.kv_unified
         # With split KV, llama.cpp batches into one micro-batch only sequences whose seq_ids run
-        # consecutively (see forward_batch), so a prompt takes the lowest idle seq_id and its cached
-        # prefix is moved there (a stream copy, ~2.3 ms, or a load from host memory) rather than the
-        # prompt running wherever its prefix happens to be: a gap costs a weight pass every step
-        # (32 sequences: 121 vs 92 ms per decode step). What the slot held goes to host memory first.
+        # consecutively (see forward_batch), so a prompt takes an idle seq_id next to a running one
+        # (SeqSlotPool._packed_choice) and its cached prefix is moved there (_copy_prefix, or a load
+        # from host memory) rather than the prompt running wherever its prefix happens to be: a gap
+        # costs a weight pass every step (32 sequences: 121 vs 92 ms per decode step). What the slot
+        # held goes to host memory first.
         self._pack = not lc.kv_unified and self._saved.capacity_bytes > 0
         seq_cells = self._ctx.n_ctx if lc.kv_unified else self._ctx.n_ctx // n_seq_max
         self._capacity = BackendCapacity(
@@ -205,7 +206,9 @@ class LlamaCppBackend(Backend):
             if not self._ctx.load_seq(dst.seq_id, self._ctx.save_seq(src.seq_id)):
                 self._ctx.seq_rm(dst.seq_id)  # a partial load leaves nothing usable
                 return 0
-            self._ctx.seq_rm(dst.seq_id, length, -1)
+            if not self._ctx.seq_rm(dst.seq_id, length, -1):  # recurrent memory: no partial removal
+                self._ctx.seq_rm(dst.seq_id)
+                return 0
         dst.tokens = src.tokens[:length]
         return length
 
