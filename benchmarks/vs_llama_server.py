@@ -10,7 +10,11 @@ What it does:
    the flags are recorded in ``build-flags.json`` there and in the JSON report.
 2. For each workload, round and server (alternating which goes first), starts
    the server alone on the machine, drives it with ``cllm bench serve`` (same
-   random prompts, same seed, ``ignore_eos``), stops it.
+   random prompts for both servers, ``ignore_eos``), stops it. Every level of a
+   workload gets its own prompts (``level_seed``): with one seed for all levels,
+   the first half of each level repeated the prompts of the level before, so
+   half the requests were prompt-cache hits and TTFT p50 fell on the boundary
+   between cached and new prompts instead of measuring either.
 3. Prints tok/s, TTFT p50/p99 and ITL p99 side by side with cllm/llama-server
    ratios (medians over rounds), and writes JSON + markdown (+ PNG).
 
@@ -168,6 +172,12 @@ def start_server(name: str, settings: Settings, slots: int, binary: Path) -> Ben
 # ---- driving them ---------------------------------------------------------------------------
 
 
+def level_seed(w: Workload, clients: int) -> int:
+    """The prompt seed of one level: distinct prompts at every level of every workload, the same
+    for both servers and in every round (each round starts fresh servers)."""
+    return 1000 * (ord(w.name) - ord("a")) + clients
+
+
 def bench_level(server: BenchServer, w: Workload, clients: int, round_no: int) -> Point:
     """One `cllm bench serve` run against a live server."""
     num = max(w.min_prompts, int(clients * w.prompts_per_client))
@@ -175,7 +185,7 @@ def bench_level(server: BenchServer, w: Workload, clients: int, round_no: int) -
         out = Path(tmp) / "run.json"
         cmd = [sys.executable, "-m", "cllm", "bench", "serve", "--base-url", server.url, "--dataset", "random",
                "--input-len", str(w.input_len), "--output-len", str(w.output_len), "--num-prompts", str(num),
-               "--concurrency", str(clients), "--seed", "0", "--warmup", "1", "--no-progress", "--json", str(out)]
+               "--concurrency", str(clients), "--seed", str(level_seed(w, clients)), "--warmup", "1", "--no-progress", "--json", str(out)]
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, timeout=1800)
         run = json.loads(out.read_text())["runs"][0]["summary"]
     stat = lambda key, q: None if run[key] is None else round(run[key][q], 1)  # noqa: E731

@@ -15,7 +15,7 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,12 +37,14 @@ IDLE_WAIT_S = 0.05
 # A busy engine republishes its stats snapshot at most this often (building it costs ~0.1 ms, which at
 # one token per ~6 ms step was 2 % of a single stream's time); commands and going idle always publish.
 PUBLISH_EVERY_S = 0.05
-# When requests arrive at an idle engine, the first step waits until none has come for BURST_QUIET_S
-# (at most BURST_MAX_WAIT_S), so that a burst (clients whose previous requests ended in the same step)
-# is prefilled in one step. Starting at the first arrival put the burst's first half into one step
-# and the other half into the next, where it stalled the first half's decodes: 64 clients, 16-token
-# outputs: ITL p99 3.6 s (notes/perf-issue8.md, wave 4). One lone request waits BURST_QUIET_S.
-BURST_QUIET_S = 0.003
+# When requests arrive at an idle engine, the first step waits until no request is being tokenised
+# and none has come for BURST_QUIET_S (at most BURST_MAX_WAIT_S), so that a burst (clients whose
+# previous requests ended in the same step) is prefilled in one step. Starting at the first arrival
+# put the burst's first half into one step and the other half into the next, where it stalled the
+# first half's decodes: 64 clients, 16-token outputs: ITL p99 3.6 s (notes/perf-issue8.md, wave 4).
+# A 3 ms quiet window alone still split bursts whose requests sat in tokenisation threads (wave 5);
+# counting those lets the window shrink, so a lone request waits BURST_QUIET_S = 1 ms.
+BURST_QUIET_S = 0.001
 BURST_MAX_WAIT_S = 0.05
 
 
@@ -77,6 +79,7 @@ class AsyncLLM:
         self._state_lock = threading.Lock()
         self._streams: dict[str, _Stream] = {}
         self._pending = 0
+        self._num_arriving = 0  # requests between admission checks and the inbox (see _arriving)
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._accepting = True
@@ -182,13 +185,18 @@ class AsyncLLM:
                     self.engine.close()
 
     def _gather_burst(self) -> None:
-        """Take in requests still arriving until the inbox has been quiet for BURST_QUIET_S."""
+        """Take in requests still arriving until none is being tokenised and the inbox has been quiet
+        for BURST_QUIET_S (at most BURST_MAX_WAIT_S in all)."""
         deadline = time.monotonic() + BURST_MAX_WAIT_S
         while not self._stopping and time.monotonic() < deadline:
             self._wake.clear()
-            if not self._wake.wait(BURST_QUIET_S):
+            woke = self._wake.wait(BURST_QUIET_S)
+            # Read before draining: a request leaves the count only after its command is queued, so
+            # one that left it by now is in the inbox. Drained either way: a command queued between
+            # the last drain and clear() above had its wake-up cleared.
+            arriving = self._num_arriving
+            if not self._drain_inbox() and not woke and not arriving:
                 return
-            self._drain_inbox()
 
     def _run_embed_jobs(self) -> None:
         """Every queued embed() call, all inputs in one backend.embed (packed per forward): concurrent
@@ -212,15 +220,18 @@ class AsyncLLM:
         for job in _take_all(self._embed_jobs):
             _resolve(job, err)
 
-    def _drain_inbox(self) -> None:
+    def _drain_inbox(self) -> int:
+        """Run every queued command; how many there were."""
+        count = 0
         while True:
             try:
                 command = self._inbox.get_nowait()
             except queue.Empty:
-                return
+                return count
             with self._state_lock:
                 command()
                 self._publish()
+            count += 1
 
     def _submit(self, command: Callable[[], None]) -> None:
         self._inbox.put(command)
@@ -256,20 +267,21 @@ class AsyncLLM:
         while self._switching:  # a backend switch is draining; this request goes to the new engine
             await asyncio.sleep(0.01)
         rid = self._admit_checks(prompt, params, request_id)
-        # Tokenising a long prompt, or checking a long token list, takes a while: off the caller's
-        # event loop (issue 9 defect 17).
-        ids = await asyncio.to_thread(self.engine.tokenize_prompt, prompt)
-        self.engine.resolve_max_tokens(len(ids), params)
-        params.check_vocab(self.tokenizer.vocab_size)
-        if params.constraint_key is not None:
-            # A cold grammar compile takes milliseconds to seconds: off the event loop and the engine
-            # loop, so the engine only ever meets cached grammars.
-            await asyncio.to_thread(self.engine.structured.compile, params)
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
-        self._streams[rid] = stream
-        self._pending += params.n
-        self.start()
-        self._submit(lambda: self._add(rid, prompt, params, priority, timeout_s, ids, on_queued))
+        with self._arriving():
+            # Tokenising a long prompt, or checking a long token list, takes a while: off the caller's
+            # event loop (issue 9 defect 17).
+            ids = await asyncio.to_thread(self.engine.tokenize_prompt, prompt)
+            self.engine.resolve_max_tokens(len(ids), params)
+            params.check_vocab(self.tokenizer.vocab_size)
+            if params.constraint_key is not None:
+                # A cold grammar compile takes milliseconds to seconds: off the event loop and the engine
+                # loop, so the engine only ever meets cached grammars.
+                await asyncio.to_thread(self.engine.structured.compile, params)
+            stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+            self._streams[rid] = stream
+            self._pending += params.n
+            self.start()
+            self._submit(lambda: self._add(rid, prompt, params, priority, timeout_s, ids, on_queued))
         async with contextlib.aclosing(self._consume(rid, stream)) as outputs:  # closing us aborts at once
             async for out in outputs:
                 yield out
@@ -300,10 +312,11 @@ class AsyncLLM:
 
         ``tools`` / ``tool_choice`` / ``parallel_tool_calls`` / ``response_format`` as in LLM.chat; the
         final output carries the parsed ``tool_calls`` (finish_reason "tool_calls")."""
-        request = await asyncio.to_thread(
-            prepare_chat, self.engine, messages, params, tools=tools, tool_choice=tool_choice,
-            parallel_tool_calls=parallel_tool_calls, response_format=response_format,
-            add_generation_prompt=add_generation_prompt)
+        with self._arriving():
+            request = await asyncio.to_thread(
+                prepare_chat, self.engine, messages, params, tools=tools, tool_choice=tool_choice,
+                parallel_tool_calls=parallel_tool_calls, response_format=response_format,
+                add_generation_prompt=add_generation_prompt)
         async with contextlib.aclosing(self.generate(request.prompt_ids, request.params, **kwargs)) as outputs:
             async for out in outputs:
                 yield attach_tool_calls(out, request.plan) if out.finished else out
@@ -326,6 +339,16 @@ class AsyncLLM:
         if self._loop_done or self._dead is not None:  # the loop ended before it could see the job
             self._fail_embed_jobs(EngineDeadError("engine stopped before the embedding ran"))
         return await job.future
+
+    @contextlib.contextmanager
+    def _arriving(self) -> Iterator[None]:
+        """Counts a request while it is tokenised or templated, before it reaches the inbox: an idle
+        engine gathering a burst waits for it (see _gather_burst)."""
+        self._num_arriving += 1
+        try:
+            yield
+        finally:
+            self._num_arriving -= 1
 
     def _admit_checks(self, prompt: Prompt, params: SamplingParams, request_id: str | None) -> str:
         if self._dead is not None:

@@ -3,6 +3,7 @@ streams, and the n_threads default chosen from the machine."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import cllm
 from cllm.engine import async_llm
@@ -43,6 +44,27 @@ def test_one_event_loop_wake_up_per_step_for_all_streams():
     assert calls <= steps + len(results) + 3, (calls, steps)
 
 
+def _first_step_of_a_burst(count: int, gap_s: float, patch_engine=lambda engine: None) -> list[str]:
+    """Send ``count`` requests ``gap_s`` apart to an idle engine; the request ids of its first batch."""
+    async def main() -> list[str]:
+        backend = FakeBackend(slots=8, forward_sleep_s=0.0005)
+        engine = cllm.AsyncLLM(backend=backend, config=fake_config())
+        patch_engine(engine)
+
+        async def one(i: int) -> None:
+            await asyncio.sleep(gap_s * i)
+            async for _ in engine.generate([i + 1], cllm.SamplingParams(max_tokens=4, temperature=0),
+                                           request_id=f"r{i}"):
+                pass
+        try:
+            await asyncio.gather(*(one(i) for i in range(count)))
+        finally:
+            await engine.shutdown()
+        return backend.batches[0][2]
+
+    return sorted(asyncio.run(main()))
+
+
 def test_requests_arriving_at_an_idle_engine_in_a_burst_share_its_first_step(monkeypatch):
     # Clients whose previous requests ended together send their next ones a few ms apart: the first
     # step waits for the burst to end (no arrival for BURST_QUIET_S) rather than start with the first
@@ -50,23 +72,24 @@ def test_requests_arriving_at_an_idle_engine_in_a_burst_share_its_first_step(mon
     # arrivals 5 ms apart) so a loaded machine's late sleeps cannot split the burst.
     monkeypatch.setattr(async_llm, "BURST_QUIET_S", 0.05)
     monkeypatch.setattr(async_llm, "BURST_MAX_WAIT_S", 2.0)
+    assert _first_step_of_a_burst(6, 0.005) == [f"r{i}" for i in range(6)]
 
-    async def main() -> list[str]:
-        backend = FakeBackend(slots=8, forward_sleep_s=0.0005)
-        engine = cllm.AsyncLLM(backend=backend, config=fake_config())
 
-        async def one(i: int) -> None:
-            await asyncio.sleep(0.005 * i)
-            async for _ in engine.generate([i + 1], cllm.SamplingParams(max_tokens=4, temperature=0),
-                                           request_id=f"r{i}"):
-                pass
-        try:
-            await asyncio.gather(*(one(i) for i in range(6)))
-        finally:
-            await engine.shutdown()
-        return backend.batches[0][2]
+def test_a_burst_waits_for_a_request_still_being_tokenised(monkeypatch):
+    # The quiet window (1 ms) is shorter than this request's tokenisation (30 ms): the first step
+    # still waits for it, because it is counted from its admission checks to the inbox.
+    monkeypatch.setattr(async_llm, "BURST_MAX_WAIT_S", 2.0)
 
-    assert sorted(asyncio.run(main())) == [f"r{i}" for i in range(6)]
+    def slow_tokenising_for_the_second(engine: cllm.AsyncLLM) -> None:
+        tokenize = engine.engine.tokenize_prompt
+
+        def slow(prompt):
+            if prompt == [2]:
+                time.sleep(0.03)
+            return tokenize(prompt)
+        monkeypatch.setattr(engine.engine, "tokenize_prompt", slow)
+
+    assert _first_step_of_a_burst(2, 0.0, slow_tokenising_for_the_second) == ["r0", "r1"]
 
 
 def test_physical_cores_counts_smt_siblings_once(tmp_path):

@@ -144,3 +144,20 @@ def test_choose_packed_keeps_running_seq_ids_next_to_each_other():
     # ...and the next prompt goes next to it, not to the lowest empty seq_id (0): a gap splits batches.
     slot, match = pool.choose([9, 9], min_match=2, pack=True)
     assert slot is s[3] and match is None
+
+
+def test_choose_packed_weighs_the_cut_against_the_lru_victim_as_unpacked():
+    # One rule for both modes: with no empty candidate, a short header match in a long conversation
+    # is not cut in place when evicting the least recently used neighbour loses fewer tokens.
+    pool = SeqSlotPool(size=3)
+    s0, s1, s2 = sorted(pool.idle(), key=lambda s: s.seq_id)
+    pool.acquire("old", s2), pool.release("old")  # s2 used before s0, so s2 is the LRU idle slot
+    pool.acquire("running", s1)
+    s0.tokens = [5, 6] + list(range(1000, 3000))
+    s2.tokens = [9, 9, 9]
+    slot, match = pool.choose([5, 6, 40, 41], min_match=2, pack=True)
+    assert slot is s2 and match.slot is s0 and match.length == 2
+    # A match that keeps more than it loses is still reused in place.
+    s0.tokens = [5, 6, 40, 7]
+    slot, match = pool.choose([5, 6, 40, 41], min_match=2, pack=True)
+    assert slot is s0 and match.length == 3

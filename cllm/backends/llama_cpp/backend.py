@@ -82,7 +82,7 @@ class LlamaCppBackend(Backend):
         self._unified = lc.kv_unified
         # With split KV, llama.cpp batches into one micro-batch only sequences whose seq_ids run
         # consecutively (see forward_batch), so a prompt takes an idle seq_id next to a running one
-        # (SeqSlotPool._packed_choice) and its cached prefix is moved there (_copy_prefix, or a load
+        # (SeqSlotPool.choose with pack) and its cached prefix is moved there (_copy_prefix, or a load
         # from host memory) rather than the prompt running wherever its prefix happens to be: a gap
         # costs a weight pass every step (32 sequences: 121 vs 92 ms per decode step). What the slot
         # held goes to host memory first.

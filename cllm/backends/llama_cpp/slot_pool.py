@@ -85,55 +85,44 @@ class SeqSlotPool:
     def choose(self, tokens: list[int], *, min_match: int, pack: bool = False) -> tuple[Slot, PrefixMatch | None] | None:
         """The idle slot a prompt should take, and the prefix match worth reusing (None if none).
 
-        A match counts only when it is at least ``min_match`` tokens long. With ``pack`` the prompt
-        takes an idle slot next to a running one, so that running seq_ids stay consecutive (the caller
-        moves the prefix there and saves what the slot held; see _packed_choice). Otherwise: without a match
-        the empty slot with the lowest seq_id, else the least recently used idle slot; with one, see
-        below. When the returned match lives in another slot, the caller may copy the prefix from
-        it. None when no slot is idle.
+        A match counts only when it is at least ``min_match`` tokens long. The candidates are the
+        idle slots; with ``pack`` only those next to a running one (any when none runs), so that
+        running seq_ids stay consecutive: llama.cpp's split KV cache batches only consecutive seq_ids
+        into one micro-batch, and a gap costs another pass over the weights. Among the candidates:
+
+        - the match's own slot, reused in place, unless cutting its KV after the match loses more
+          than it keeps (a short shared header must not destroy a long cached conversation);
+        - else the empty candidate with the lowest seq_id (the caller copies the prefix over);
+        - else, with a match, whichever of its slot and the least recently used other candidate
+          loses fewer tokens (a prompt seen before would otherwise evict another's cache, and that
+          one the next);
+        - without a match: the empty candidate with the lowest seq_id, else the least recently used.
+
+        When the returned match lives in another slot, the caller may copy the prefix from it (and,
+        with a host prompt cache, saves what the chosen slot held). None when no slot is idle.
         """
         with self.lock:
-            idle = self.idle()
+            idle = self.idle()  # least recently used first
             if not idle:
                 return None
             match = self.best_prefix(tokens) if min_match > 0 else None
             if match is not None and match.length < min_match:
                 match = None
             if pack:
-                return self._packed_choice(idle, match), match
-            # Empty slots lowest seq_id first: running seq_ids stay packed, and llama.cpp's split KV cache
-            # batches only consecutive seq_ids into one micro-batch (a gap costs another weight pass).
-            empty = sorted((s for s in idle if not s.tokens), key=lambda s: s.seq_id)
-            if match is not None and match.slot.owner is None:
-                # Reusing the slot in place cuts its KV after the match. When that would lose more
-                # than it keeps, take an empty slot (the caller copies the prefix over), so a short
-                # shared header never destroys a long cached conversation; with none empty, copying
-                # evicts the least recently used other slot whole, so cut whichever loses fewer tokens
-                # (a prompt seen before would otherwise evict another's cache, and that one the next).
-                tail = len(match.slot.tokens) - match.length
-                if tail <= match.length:
-                    return match.slot, match
-                if empty:
-                    return empty[0], match
-                victim = next((s for s in idle if s is not match.slot), None)
-                if victim is None or tail <= len(victim.tokens):
-                    return match.slot, match
-                return victim, match
-            return (empty[0] if empty else idle[0]), match
-
-    def _packed_choice(self, idle: list[Slot], match: PrefixMatch | None) -> Slot:
-        """The idle slot that keeps running seq_ids consecutive: next to an owned one (any slot when
-        none is owned). Among those: the match's own slot, unless cutting it in place loses more than
-        it keeps and an empty one is free; else an empty one; else the least recently used."""
-        owned = {s.seq_id for s in self._slots if s.owner is not None}
-        fits = [s for s in idle if not owned or s.seq_id - 1 in owned or s.seq_id + 1 in owned]
-        empty = [s for s in fits if not s.tokens]
-        if match is not None and match.slot in fits:
-            if not empty or len(match.slot.tokens) - match.length <= match.length:
-                return match.slot
-        if empty:
-            return min(empty, key=lambda s: s.seq_id)
-        return min(fits, key=lambda s: s.last_used)
+                owned = {s.seq_id for s in self._slots if s.owner is not None}
+                idle = [s for s in idle if not owned or s.seq_id - 1 in owned or s.seq_id + 1 in owned]
+            empty = min((s for s in idle if not s.tokens), key=lambda s: s.seq_id, default=None)
+            if match is None or match.slot.owner is not None or match.slot not in idle:
+                return (empty or idle[0]), match
+            tail = len(match.slot.tokens) - match.length
+            if tail <= match.length:
+                return match.slot, match
+            if empty is not None:
+                return empty, match
+            victim = next((s for s in idle if s is not match.slot), None)
+            if victim is None or tail <= len(victim.tokens):
+                return match.slot, match
+            return victim, match
 
     def acquire(self, request_id: str, slot: Slot) -> Slot:
         """Give the idle ``slot`` to ``request_id``."""
