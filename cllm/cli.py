@@ -30,8 +30,11 @@ def _parse_sets(items: list[str] | None) -> dict[str, Any]:
 
 
 def _config(config: Path | None, sets: list[str] | None, **flags: Any) -> CllmConfig:
+    """The config from file < environment < --set < the command's own flags (those given)."""
+    overrides = _parse_sets(sets)
+    overrides.update({key: value for key, value in flags.items() if value is not None})
     try:
-        return load_config(config, **_parse_sets(sets), **flags)
+        return load_config(config, **overrides)
     except ValueError as err:
         typer.echo(f"error: {err}", err=True)
         raise typer.Exit(2) from None

@@ -50,3 +50,11 @@ def test_missing_model_file_names_the_path(tmp_path):
     missing = tmp_path / "nope.gguf"
     with pytest.raises(FileNotFoundError, match="nope.gguf"):
         resolve_model_path(str(missing))
+
+
+def test_set_and_a_flag_for_the_same_setting_take_the_flag():
+    # `cllm serve --set max_num_seqs=16` used to die with a TypeError (the flag's None was passed too).
+    from cllm.cli import _config
+    cfg = _config(None, ["max_num_seqs=16", "n_ubatch=256"], max_num_seqs=None)
+    assert (cfg.scheduler.max_num_seqs, cfg.llama_cpp.n_ubatch) == (16, 256)
+    assert _config(None, ["max_num_seqs=16"], max_num_seqs=8).scheduler.max_num_seqs == 8

@@ -92,6 +92,35 @@ def test_a_burst_waits_for_a_request_still_being_tokenised(monkeypatch):
     assert _first_step_of_a_burst(2, 0.0, slow_tokenising_for_the_second) == ["r0", "r1"]
 
 
+def test_a_closed_loop_round_is_gathered_into_one_step(monkeypatch):
+    # 4 clients whose requests ended in the same step send their next ones 20 ms apart: far longer
+    # than the 1 ms quiet window, but as many arrivals as finishes are expected, so the idle engine
+    # waits BURST_EXPECT_QUIET_S between them (widened to 200 ms against a loaded machine's late sleeps).
+    monkeypatch.setattr(async_llm, "BURST_EXPECT_QUIET_S", 0.2)
+    monkeypatch.setattr(async_llm, "BURST_MAX_WAIT_S", 2.0)
+
+    async def main() -> list:
+        backend = FakeBackend(slots=8, forward_sleep_s=0.0005)
+        engine = cllm.AsyncLLM(backend=backend, config=fake_config())
+        params = cllm.SamplingParams(max_tokens=4, temperature=0)
+
+        async def one(request_id: str, prompt: list[int], delay_s: float = 0.0) -> None:
+            await asyncio.sleep(delay_s)
+            async for _ in engine.generate(prompt, params, request_id=request_id):
+                pass
+        try:
+            await asyncio.gather(*(one(f"a{i}", [i + 1]) for i in range(4)))
+            await asyncio.gather(*(one(f"b{i}", [i + 5], 0.02 * i) for i in range(4)))
+        finally:
+            await engine.shutdown()
+        return [sorted(ids) for _, _, ids in backend.batches]
+
+    batches = asyncio.run(main())
+    assert batches[0] == ["a0", "a1", "a2", "a3"]  # the first round ran (and ended) together
+    follow_ups = next(ids for ids in batches if any(i.startswith("b") for i in ids))
+    assert follow_ups == ["b0", "b1", "b2", "b3"]
+
+
 def test_physical_cores_counts_smt_siblings_once(tmp_path):
     for cpu, siblings in {0: "0,2", 1: "1,3", 2: "0,2", 3: "1,3"}.items():
         d = tmp_path / f"cpu{cpu}" / "topology"
