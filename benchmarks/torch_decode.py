@@ -15,10 +15,17 @@ bfloat16 on CPUs with AVX512-BF16/AMX). Best of ``--repeats`` per cell; each
 repeat uses fresh prompts so no prefix cache serves one repeat from another.
 
     .venv/bin/python benchmarks/torch_decode.py --threads 2 --levels 1 4 16 32
+
+``--isa avx2`` measures an AVX2-only machine on a newer CPU: the run restarts with torch's
+kernels (``ATEN_CPU_CAPABILITY``), oneDNN (``ONEDNN_MAX_CPU_ISA``) and MKL
+(``MKL_ENABLE_INSTRUCTIONS``) capped at AVX2, for cllm and transformers alike. Memory
+bandwidth and core speed stay the machine's own, so it approximates, not reproduces, one.
 """
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 import time
 from collections.abc import Callable
 
@@ -30,6 +37,9 @@ from cllm.model_path import resolve_model_path
 
 TOPICS = ["a lighthouse", "a robot", "the ocean", "a dragon", "a city", "a garden", "a train", "a violin"]
 FILLER = "The museum opened its doors early that morning, and visitors filled the quiet halls. "
+
+# Environment that caps torch, oneDNN and MKL at AVX2; read when they load, so set before torch is imported.
+AVX2_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
 
 Runner = Callable[[list[list[int]], int], int]  # (prompts as token ids, max_tokens) -> tokens generated
 
@@ -110,7 +120,11 @@ def main() -> None:
     parser.add_argument("--max-wait", type=float, default=300.0, help="longest wait for --min-idle, seconds")
     parser.add_argument("--no-hf", action="store_true", help="skip the transformers baselines")
     parser.add_argument("--no-generate-batch", action="store_true", help="skip transformers' generate_batch")
+    parser.add_argument("--isa", choices=["native", "avx2"], default="native",
+                        help="avx2: cap torch/oneDNN/MKL at AVX2 (restarts the run with their environment set)")
     args = parser.parse_args()
+    if args.isa == "avx2" and any(os.environ.get(k) != v for k, v in AVX2_ENV.items()):
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **AVX2_ENV})
     torch.set_num_threads(args.threads)
 
     run, llm = cllm_runner(args)
@@ -122,7 +136,7 @@ def main() -> None:
     width = max(map(len, table)) + 2
     context = f"{args.prompt_tokens}-token prompts" if args.prompt_tokens else "~12-token prompts"
     print(f"decode tokens/s, {context}, {args.max_tokens} tokens per request, {args.threads} threads, "
-          f"best of {args.repeats}")
+          f"best of {args.repeats}, CPU kernels: {torch.backends.cpu.get_cpu_capability()}")
     print("runner".ljust(width) + "".join(f"{f'C={c}':>10}" for c in args.levels))
     for name, rates in table.items():
         print(name.ljust(width) + "".join(f"{r:>10.1f}" for r in rates))

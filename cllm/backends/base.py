@@ -187,6 +187,12 @@ class Backend(ABC):
         """Sequence places free now (idle cached slots count as free)."""
         return self.capacity.max_num_seqs
 
+    def idle_work(self) -> bool:
+        """Do one short unit of housekeeping while no request is live (the server's engine calls it
+        between waits for work, a unit at a time, so a new request waits at most one unit); True if
+        it did something and may have more."""
+        return False
+
     # Optional capabilities. Each is discoverable through a `supports_*` flag.
     supports_prefix_cache: bool = False
     supports_state_swap: bool = False

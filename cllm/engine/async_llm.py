@@ -172,8 +172,9 @@ class AsyncLLM:
                 self._drain_inbox()
                 self._run_embed_jobs()
                 if not self.engine.has_unfinished():
-                    self._wake.wait(IDLE_WAIT_S)
-                    self._wake.clear()
+                    if not self._idle_work():  # after a unit of it the inbox is looked at again
+                        self._wake.wait(IDLE_WAIT_S)
+                        self._wake.clear()
                     continue
                 if was_idle:
                     self._gather_burst()
@@ -211,6 +212,16 @@ class AsyncLLM:
             arriving = self._num_arriving
             if not self._drain_inbox() and not woke and not arriving:
                 return
+
+    def _idle_work(self) -> bool:
+        """One unit of the engine's idle housekeeping (saving idle slots' KV to the host prompt cache),
+        only once no client is expected back (see BURST_EXPECT_WITHIN_S): a closed-loop client's next
+        request must not wait behind it."""
+        self._owe(0)
+        if self._owed:
+            return False
+        with self._state_lock:
+            return self.engine.idle_work()
 
     def _owe(self, finished: int) -> None:
         """Note ``finished`` requests whose clients may come back; forget those owed too long."""

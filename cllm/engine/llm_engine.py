@@ -223,6 +223,10 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return bool(self._groups)
 
+    def idle_work(self) -> bool:
+        """One unit of the backend's housekeeping, only while no request is live (see Backend.idle_work)."""
+        return not self._groups and self.backend.idle_work()
+
     def request_ids(self) -> list[str]:
         return list(self._groups)
 

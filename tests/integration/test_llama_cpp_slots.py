@@ -1,8 +1,10 @@
 """Issue 9 defects 8 and 9 on the real model: which slot a prompt takes, and what it reports cached."""
 from __future__ import annotations
 
+import asyncio
 import collections
 import logging
+import time
 
 import numpy as np
 import pytest
@@ -197,3 +199,79 @@ def test_a_prompt_evicted_from_its_slot_comes_back_from_the_host_prompt_cache():
             assert out.outputs[0].token_ids == expected.outputs[0].token_ids
         else:  # a whole-prompt prefill: other kernels than one token's, so no bit-exactness asserted
             assert out.usage.cached_tokens == 0
+
+
+def test_an_idle_server_engine_saves_finished_sequences_before_their_slots_are_needed():
+    # The server's engine (AsyncLLM) copies finished sequences' KV to the host prompt cache while it
+    # has nothing else to do, once their clients are no longer expected back (BURST_EXPECT_WITHIN_S),
+    # so the prompts that later take those slots find the copies made instead of making them in
+    # front of their own prefill; a returning prompt still comes back from the cache.
+    prompts = [f"Question {i}: how did people bake bread in the villages of country number {i}?" for i in range(2)]
+    others = [f"Write a haiku about the sea at night, number {i}, with the moon on the water" for i in range(2)]
+    params = cllm.SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+
+    async def main():
+        engine = cllm.AsyncLLM(n_threads=1, n_seq_max=2)
+        backend = engine.engine.backend
+
+        async def run(prompt):
+            async for out in engine.generate(prompt, params):
+                final = out
+            return final
+
+        try:
+            await asyncio.gather(*(run(p) for p in prompts))
+            held = [list(s.tokens) for s in backend._pool.idle() if s.tokens]
+            at_finish = sum(t in backend._saved for t in held)  # their clients may still come back
+            deadline = time.monotonic() + 10
+            while not all(t in backend._saved for t in held) and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            saved_idle = sum(t in backend._saved for t in held)
+            saves = []
+            save_seq = backend._ctx.save_seq
+            backend._ctx.save_seq = lambda seq_id: saves.append(seq_id) or save_seq(seq_id)
+            await asyncio.gather(*(run(p) for p in others))  # they take both slots
+            evicting_saves = len(saves)
+            again = await run(prompts[0])
+        finally:
+            await engine.shutdown(0)
+        return held, at_finish, saved_idle, evicting_saves, again
+
+    held, at_finish, saved_idle, evicting_saves, again = asyncio.run(main())
+    assert len(held) == 2 and at_finish == 0 and saved_idle == 2
+    assert evicting_saves == 0
+    assert again.usage.cached_tokens == len(again.prompt_token_ids) - 1
+
+
+def test_idle_copies_are_bounded_in_size(monkeypatch):
+    # A request arriving while the idle engine copies a slot waits for that copy, so only states up
+    # to IDLE_SAVE_MAX_BYTES are copied ahead; a longer one is copied when a prompt evicts it.
+    from cllm.backends.llama_cpp import backend as llama_backend
+    short = "The quick brown fox jumps over the lazy dog."
+    long = "Tell me a long story about a dragon who learns to bake bread. " * 6
+    params = cllm.SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+
+    async def main():
+        engine = cllm.AsyncLLM(n_threads=1, n_seq_max=2)
+        backend = engine.engine.backend
+        monkeypatch.setattr(llama_backend, "IDLE_SAVE_MAX_BYTES", 40 * backend._kv_bytes_per_token)
+
+        async def run(prompt):
+            async for out in engine.generate(prompt, params):
+                final = out
+            return final
+
+        try:
+            await asyncio.gather(run(short), run(long))
+            held = sorted((list(s.tokens) for s in backend._pool.idle() if s.tokens), key=len)
+            deadline = time.monotonic() + 10
+            while held[0] not in backend._saved and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(0.2)
+            return [len(t) for t in held], [t in backend._saved for t in held]
+        finally:
+            await engine.shutdown(0)
+
+    lengths, saved = asyncio.run(main())
+    assert lengths[0] <= 40 < lengths[1]
+    assert saved == [True, False]

@@ -7,7 +7,9 @@ default) and loads it back when a later prompt starts with it; without that, 64 
 returning with prompts seen before, after a few other prompts had passed through the 64
 slots, found 8 to 61 of them evicted and prefilled them again (TTFT p50 0.98 s vs
 llama-server's 0.32 s). Saving a 95-token sequence of the embedded model takes ~1 ms
-(2.2 MB), loading it ~0.2 ms; prefilling it again ~200 ms.
+(2.2 MB), loading it ~0.2 ms; prefilling it again ~200 ms. Fresh memory can make a save far dearer
+(~7 ms per 2.2 MB on a VM), so the server's engine saves idle slots while it has nothing else to do
+(``LlamaCppBackend.idle_work``) and an eviction finds the copy made.
 
 Not thread-safe on its own: the backend calls it under its slot pool's lock.
 """
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import bisect
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from cllm.backends.llama_cpp.slot_pool import common_prefix_len
@@ -45,6 +48,10 @@ class PromptCache:
 
     def __len__(self) -> int:
         return len(self._entries)
+
+    def __contains__(self, tokens: Sequence[int]) -> bool:
+        """Whether exactly these tokens are saved."""
+        return tuple(tokens) in self._entries
 
     def put(self, tokens: list[int], state: bytes | bytearray) -> None:
         """Keep a sequence's state, evicting the oldest entries beyond the byte bound."""

@@ -22,6 +22,7 @@ class Slot:
     tokens: list[int] = field(default_factory=list)  # tokens whose KV the seq holds, in position order
     reserved: int = 0  # KV cells counted for the owner (>= len(tokens))
     last_used: int = 0  # LRU clock value of the last acquire/release
+    saved: bool = False  # what it holds was copied to the host prompt cache (reset when a prompt takes it)
 
 
 @dataclass(slots=True, frozen=True)

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import torch
 
+from cllm.backends.torch.linear import packing_works
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -37,8 +39,14 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def cpu_has_native_bf16() -> bool:
-    """Whether this CPU has bf16 dot-product instructions (AVX512-BF16 or AMX) for oneDNN to use."""
+    """Whether this CPU has bf16 dot-product instructions (AVX512-BF16 or AMX) and oneDNN uses them.
+
+    The CPU flag alone is not enough: oneDNN may be capped below it (``ONEDNN_MAX_CPU_ISA``, how an
+    AVX2-only machine is emulated on a newer one), and then bf16 linears fall back to a slow path.
+    So the oneDNN bf16 linear must also pack and agree with ``F.linear`` here (``packing_works``).
+    """
     try:
-        return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+        flagged = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
     except AttributeError:  # private probes; an older/newer torch without them gets the safe default
         return False
+    return bool(flagged) and packing_works(torch.bfloat16)
