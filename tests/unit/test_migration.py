@@ -95,7 +95,10 @@ async def test_async_export_hands_out_every_token_once_and_resume_continues():
     from cllm.engine.async_llm import AsyncLLM
     from cllm.errors import RequestHandedOffError
 
-    src, dst = AsyncLLM(backend=FakeBackend(), n_batch=64), AsyncLLM(backend=FakeBackend(), n_batch=64)
+    # 2 ms a step on the source: its 3,000 tokens take >= 6 s, so the export (sent right after the first
+    # output) always finds the request live; unslowed, a loaded CI machine once let all 3,000 finish first.
+    src = AsyncLLM(backend=FakeBackend(forward_sleep_s=0.002), n_batch=64)
+    dst = AsyncLLM(backend=FakeBackend(), n_batch=64)
     params = SamplingParams(max_tokens=3000, temperature=0, ignore_eos=True)
     gen = src.generate([1, 2, 3], params, request_id="r")
     seen = list((await gen.__anext__()).outputs[0].token_ids_delta)
