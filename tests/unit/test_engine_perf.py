@@ -3,6 +3,8 @@ streams, and the n_threads default chosen from the machine."""
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 import time
 
 import cllm
@@ -131,8 +133,13 @@ def test_physical_cores_counts_smt_siblings_once(tmp_path):
     assert physical_cores([0, 7], tmp_path) == 2  # topology unknown for cpu7: every CPU counts
 
 
-def test_default_n_threads_never_exceeds_the_usable_cpus():
+def test_default_n_threads_follows_the_cpus_this_process_may_use():
     assert 1 <= default_n_threads() <= len(usable_cpus())
+    # Pinned to one CPU (taskset, a cpuset), the default is one thread, whatever the machine has.
+    code = ("import os; from cllm.backends.llama_cpp.threads import default_n_threads, usable_cpus; "
+            "os.sched_setaffinity(0, usable_cpus()[:1]); print(default_n_threads())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.strip() == "1", out.stderr
 
 
 class _SlowBackend(FakeBackend):

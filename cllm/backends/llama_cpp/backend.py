@@ -166,9 +166,9 @@ class LlamaCppBackend(Backend):
         """Before a new prompt cuts ``slot`` to its first ``keep`` tokens: save what it holds to the
         host prompt cache when more would be lost than kept (llama-server's rule, f_keep < 0.5),
         unless idle_work saved it already."""
-        lost = len(slot.tokens) - keep
         if slot.saved and slot.tokens in self._saved:
             return
+        lost = len(slot.tokens) - keep
         if self._saved.capacity_bytes and lost > keep and lost >= MIN_SAVE_TOKENS:
             self._saved.put(slot.tokens, self._ctx.save_seq(slot.seq_id))
 
