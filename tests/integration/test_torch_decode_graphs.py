@@ -73,7 +73,7 @@ def test_padding_rows_leave_real_rows_and_their_kv_unchanged(backend: TorchBacke
                               batch, torch.arange(3))
         kv_before = backend.kv.k.clone(), backend.kv.v.clone()
         graphs = DecodeGraphs(backend.model, backend.kv, buckets=graph_buckets(8), scratch_block=scratch,
-                              flex_fn=backend._flex_fn, capture=False)
+                              flex_fn=backend._flex_fn, capture=False, q_per_kv=2)
         padded = graphs.run(ids, chunks)  # bucket 4: one padding row
         np.testing.assert_allclose(padded.numpy(), eager.numpy(), atol=ATOL, rtol=0)
         again = graphs.run(ids, chunks)  # the bucket's buffers are reused

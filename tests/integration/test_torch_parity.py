@@ -258,6 +258,17 @@ def test_positions_must_continue_the_sequence(arch_model: tuple[str, torch.nn.Mo
         backend.forward_batch([2, 3], [1, 2], ["a", "a"])
     with pytest.raises(BackendError, match="not admitted"):
         backend.forward_batch([2], [0], ["ghost"])
+    # in a batch of several sequences the error names the one whose positions are off
+    backend.admit("b", [4, 5])
+    with pytest.raises(BackendError, match="sequence 'b': positions must continue from its 0") as err:
+        backend.forward_batch([1, 2, 3, 4, 5], [0, 1, 2, 0, 2], ["a", "a", "a", "b", "b"])
+    assert err.value.sequence_ids == ["b"]
+    with pytest.raises(BackendError, match="'a': positions must continue") as err:
+        backend.forward_batch([1, 4], [1, 0], ["a", "b"])  # a decode-shaped step (one row per sequence)
+    assert err.value.sequence_ids == ["a"]
+    with pytest.raises(BackendError, match="contiguous"):
+        backend.forward_batch([1, 4, 2], [0, 0, 1], ["a", "b", "a"])
+    backend.forward_batch([1, 2, 3, 4, 5], [0, 1, 2, 0, 1], ["a", "a", "a", "b", "b"])  # right: accepted
 
 
 def _save_tiny_tokenizer(path: Path) -> None:

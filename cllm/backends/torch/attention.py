@@ -112,15 +112,19 @@ def attention_mode(setting: str, device: torch.device, block_size: int) -> str:
             f"attention='flash' needs CUDA, the flash_attn package and block_size % {FLASH_PAGE_MULTIPLE} == 0 "
             f"(device {device}, block_size {block_size})"
         )
-    if setting != "auto":
-        return setting
-    if device.type == "cuda":
-        return "flash" if flash_usable(device, block_size) else "flex"
-    return "sdpa"
+    mode = setting if setting != "auto" else ("flash" if flash_usable(device, block_size) else "flex") if device.type == "cuda" else "sdpa"
+    if mode == "flex" and device.type == "cuda" and (block_size < 16 or block_size & (block_size - 1)):
+        raise ValueError(f"block_size {block_size}: FlexAttention on CUDA tiles the KV axis by the page, "
+                         "which must be a power of two of at least 16")
+    return mode
 
 
 def slot_mapping(chunks: Sequence[SeqChunk], block_size: int) -> np.ndarray:
     """Flat cache slot (block_id * block_size + offset) of every new token, in row order."""
+    if all(c.num_tokens == 1 for c in chunks):  # a decode step: one slot per sequence
+        pos = np.fromiter((c.start_pos for c in chunks), dtype=np.int64, count=len(chunks))
+        blocks = np.fromiter((c.block_ids[c.start_pos // block_size] for c in chunks), dtype=np.int64, count=len(chunks))
+        return blocks * block_size + pos % block_size
     parts = []
     for c in chunks:
         pos = np.arange(c.start_pos, c.start_pos + c.num_tokens)
@@ -145,7 +149,7 @@ def build_attention_batch(
     single = [c for c in chunks if c.num_tokens == 1]
     whole = len(single) == len(chunks)
     if mode == "flex":
-        decode = _flex_decode(single, cache, whole) if single else None
+        decode = _flex_decode(single, cache, whole, q_per_kv) if single else None
         prefills = [build_flex_chunk(c.row_start, c.num_tokens, c.start_pos, c.block_ids, cache) if c.start_pos
                     else _fresh_chunk(c) for c in chunks if c.num_tokens > 1]
         return AttentionBatch(rows, decode, prefills, None, flex_fn)
@@ -154,9 +158,9 @@ def build_attention_batch(
     return AttentionBatch(rows, decode, prefills, None)
 
 
-def _flex_decode(single: Sequence[SeqChunk], cache: PagedKVCache, whole_batch: bool) -> FlexDecode:
+def _flex_decode(single: Sequence[SeqChunk], cache: PagedKVCache, whole_batch: bool, q_per_kv: int) -> FlexDecode:
     rows = None if whole_batch else torch.tensor([c.row_start for c in single], device=cache.k.device)
-    return build_flex_decode([c.start_pos + 1 for c in single], [c.block_ids for c in single], rows, cache)
+    return build_flex_decode([c.start_pos + 1 for c in single], [c.block_ids for c in single], rows, cache, q_per_kv)
 
 
 def _fresh_chunk(c: SeqChunk) -> PrefillChunk:

@@ -77,7 +77,8 @@ class TorchBackend(Backend):
         # One extra block no sequence owns: padding rows of captured decode graphs write and read only it.
         self._scratch_block = num_blocks
         self.kv = PagedKVCache(
-            KVCacheShape(self.spec.num_layers, num_blocks + 1, block_size, self.spec.num_kv_heads, self.spec.head_dim),
+            KVCacheShape(self.spec.num_layers, num_blocks + 1, block_size, self.spec.num_kv_heads, self.spec.head_dim,
+                         max_seq_blocks=min(num_blocks, -(-max_len // block_size))),
             dtype=self.dtype, device=self.device, head_major=self._attention != "flash",
         )
         self._embedding_config = config.embeddings
@@ -95,6 +96,7 @@ class TorchBackend(Backend):
         graphs = DecodeGraphs(
             self.model, self.kv, buckets=graph_buckets(min(config.torch.cuda_graph_max_batch, max_seqs)),
             scratch_block=self._scratch_block, flex_fn=self._flex_fn, capture=True,
+            q_per_kv=self.spec.num_heads // self.spec.num_kv_heads,
         )
         with torch.inference_mode():
             graphs.capture_all()
@@ -187,28 +189,32 @@ class TorchBackend(Backend):
                 f"flat_ids, positions and sequence_ids must be equally long and non-empty "
                 f"(got {len(ids)}, {len(pos)}, {len(sequence_ids)})"
             )
-        chunks: list[StepChunk] = []
-        start = 0
-        for row in range(1, len(sequence_ids) + 1):
-            if row == len(sequence_ids) or sequence_ids[row] != sequence_ids[start]:
-                chunks.append(self._check_chunk(sequence_ids[start], start, row, pos))
-                start = row
+        n = len(sequence_ids)
+        if len(set(sequence_ids)) == n:  # one row per sequence (a decode step): no run to find
+            starts: list[int] = list(range(n))
+        else:
+            starts = [0] + [r for r in range(1, n) if sequence_ids[r] != sequence_ids[r - 1]]
+        ends = starts[1:] + [n]
+        chunks = [self._chunk(sequence_ids[start], start, end) for start, end in zip(starts, ends)]
         if len({c.seq_id for c in chunks}) != len(chunks):
             raise BackendError("each sequence's tokens must be contiguous in the batch", [c.seq_id for c in chunks])
+        # every row's position continues its sequence's KV: pos[r] == start_pos + (r - row_start)
+        offsets = np.fromiter((c.start_pos - c.row_start for c in chunks), dtype=np.int64, count=len(chunks))
+        lengths = np.fromiter((c.row_end - c.row_start for c in chunks), dtype=np.int64, count=len(chunks))
+        wrong = np.flatnonzero(pos != np.repeat(offsets, lengths) + np.arange(n))
+        if wrong.size:
+            c = next(c for c in chunks if c.row_start <= wrong[0] < c.row_end)
+            raise BackendError(
+                f"sequence {c.seq_id!r}: positions must continue from its {c.start_pos} tokens in KV "
+                f"(got {pos[c.row_start : c.row_end][:4].tolist()}...)",
+                [c.seq_id],
+            )
         return chunks
 
-    def _check_chunk(self, seq_id: str, row_start: int, row_end: int, pos: np.ndarray) -> StepChunk:
+    def _chunk(self, seq_id: str, row_start: int, row_end: int) -> StepChunk:
         if seq_id not in self.blocks:
             raise BackendError(f"sequence {seq_id!r} was not admitted", [seq_id])
-        first = self.blocks.sequence(seq_id).num_computed
-        expected = np.arange(first, first + row_end - row_start)
-        if not np.array_equal(pos[row_start:row_end], expected):
-            raise BackendError(
-                f"sequence {seq_id!r}: positions must continue from its {first} tokens in KV "
-                f"(got {pos[row_start:row_end][:4].tolist()}...)",
-                [seq_id],
-            )
-        return StepChunk(seq_id, row_start, row_end, first)
+        return StepChunk(seq_id, row_start, row_end, self.blocks.sequence(seq_id).num_computed)
 
     def _logit_rows(self, chunks: list[StepChunk], wanted: list[str]) -> list[int]:
         last_row = {c.seq_id: c.row_end - 1 for c in chunks}
@@ -240,7 +246,9 @@ class TorchBackend(Backend):
         if self._graphs is not None and len(chunks) == len(ids):  # a pure decode step: replay a graph
             logits = self._graphs.run(ids, seq_chunks)
             if logits is not None:  # rows in chunk order; row_start == chunk index here
-                return self._out(logits.index_select(0, self._to_device(np.asarray(rows, dtype=np.int64))))
+                if rows != list(range(len(chunks))):
+                    logits = logits.index_select(0, self._to_device(np.asarray(rows, dtype=np.int64)))
+                return self._out(logits)
         batch = build_attention_batch(
             seq_chunks, self.kv, q_per_kv=self.spec.num_heads // self.spec.num_kv_heads, mode=self._attention,
             flex_fn=self._flex_fn,
@@ -369,8 +377,8 @@ class TorchBackend(Backend):
 
     def close(self) -> None:
         """Drop the weights and KV pool (the backend is unusable afterwards). Idempotent."""
-        self.__dict__.pop("model", None)
-        self.__dict__.pop("kv", None)
+        for held in ("_graphs", "model", "kv"):  # the captured graphs hold the model, the pool and their own memory
+            self.__dict__.pop(held, None)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 

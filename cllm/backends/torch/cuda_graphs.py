@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from cllm.backends.torch.attention import AttentionBatch, SeqChunk, slot_mapping
-from cllm.backends.torch.flex import FlexDecode, PagedMaskTensors, flex_decode_tensors, paged_block_mask
+from cllm.backends.torch.flex import FlexDecode, PagedMaskTensors, decode_mask_arrays, paged_block_mask
 from cllm.backends.torch.kv_cache import PagedKVCache
 
 PAD_TOKEN = 0  # any valid id: padding rows' outputs are dropped
@@ -60,14 +60,48 @@ def pad_decode(ids: np.ndarray, chunks: Sequence[SeqChunk], bucket: int, scratch
     return np.concatenate([ids, np.full(bucket - n, PAD_TOKEN, dtype=np.int64)]), list(chunks) + pads
 
 
+class StagedInputs:
+    """A step's static integer inputs as views of one device buffer per dtype, refilled each step from
+    a pinned host buffer with one asynchronous copy per dtype (instead of one blocking copy per input)."""
+
+    def __init__(self, first: dict[str, np.ndarray], device: torch.device) -> None:
+        self.host: dict[str, np.ndarray] = {}
+        self.device: dict[str, torch.Tensor] = {}
+        self._pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._copied = torch.cuda.Event() if device.type == "cuda" else None  # the last copies' completion
+        for dtype in sorted({a.dtype for a in first.values()}, key=str):
+            names = [n for n, a in first.items() if a.dtype == dtype]
+            total = sum(first[n].size for n in names)
+            host = torch.from_numpy(np.zeros(total, dtype=dtype))
+            if device.type == "cuda":
+                host = host.pin_memory()
+            dev = torch.zeros(total, dtype=host.dtype, device=device)
+            flat = host.numpy()
+            start = 0
+            for n in names:
+                size, shape = first[n].size, first[n].shape
+                self.host[n] = flat[start : start + size].reshape(shape)
+                self.device[n] = dev[start : start + size].view(shape)
+                start += size
+            self._pairs.append((dev, host))
+        self.fill(first)
+
+    def fill(self, arrays: dict[str, np.ndarray]) -> None:
+        if self._copied is not None:
+            self._copied.synchronize()  # the host buffer is free once the last copy ran (normally long since)
+        for name, array in arrays.items():
+            self.host[name][...] = array
+        for dev, host in self._pairs:
+            dev.copy_(host, non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
+
+
 @dataclass(slots=True)
 class _Bucket:
     """One batch size's static buffers (and graph, when captured)."""
 
-    ids: torch.Tensor  # [b] token ids
-    positions: torch.Tensor  # [b]
-    write_rows: torch.Tensor  # [b * kv_heads] KV cache rows of the new tokens
-    mask: PagedMaskTensors  # FlexAttention paged-mask tensors
+    inputs: StagedInputs  # ids [b], positions [b], write_rows [b * kv_heads], the mask fields
     batch: AttentionBatch  # built once over the buffers above
     logit_rows: torch.Tensor  # arange(b)
     logits: torch.Tensor | None = None  # output buffer of the captured graph
@@ -78,8 +112,8 @@ class DecodeGraphs:
     """Runs pure decode steps through per-bucket static buffers, replaying CUDA graphs when captured."""
 
     def __init__(self, forward: Callable[..., torch.Tensor], cache: PagedKVCache, *, buckets: Sequence[int],
-                 scratch_block: int, flex_fn: Callable[..., torch.Tensor], capture: bool) -> None:
-        self._forward, self._cache, self._scratch = forward, cache, scratch_block
+                 scratch_block: int, flex_fn: Callable[..., torch.Tensor], capture: bool, q_per_kv: int) -> None:
+        self._forward, self._cache, self._scratch, self._q_per_kv = forward, cache, scratch_block, q_per_kv
         self._flex_fn, self._capture = flex_fn, capture
         self.buckets = list(buckets)
         self._by_size: dict[int, _Bucket] = {}
@@ -105,16 +139,18 @@ class DecodeGraphs:
             logits = self._step(bucket)
         return logits[: len(chunks)]  # type: ignore[index]
 
-    def _fill(self, bucket: _Bucket, ids: np.ndarray, chunks: Sequence[SeqChunk]) -> None:
+    def _arrays(self, ids: np.ndarray, chunks: Sequence[SeqChunk]) -> dict[str, np.ndarray]:
         cache = self._cache
-        device = cache.k.device
-        bucket.ids.copy_(torch.from_numpy(ids).to(device))
-        bucket.positions.copy_(torch.tensor([c.start_pos for c in chunks], device=device))
-        bucket.write_rows.copy_(torch.from_numpy(cache.write_rows(slot_mapping(chunks, cache.shape.block_size))).to(device))
-        bucket.mask.copy_from(flex_decode_tensors([c.start_pos + 1 for c in chunks], [c.block_ids for c in chunks], cache))
+        return {"ids": ids.astype(np.int64), "positions": np.array([c.start_pos for c in chunks], dtype=np.int64),
+                "write_rows": cache.write_rows(slot_mapping(chunks, cache.shape.block_size)).astype(np.int64),
+                **decode_mask_arrays([c.start_pos + 1 for c in chunks], [c.block_ids for c in chunks], cache)}
+
+    def _fill(self, bucket: _Bucket, ids: np.ndarray, chunks: Sequence[SeqChunk]) -> None:
+        bucket.inputs.fill(self._arrays(ids, chunks))
 
     def _step(self, bucket: _Bucket) -> torch.Tensor:
-        return self._forward(bucket.ids, bucket.positions, self._cache, bucket.batch, bucket.logit_rows)
+        t = bucket.inputs.device
+        return self._forward(t["ids"], t["positions"], self._cache, bucket.batch, bucket.logit_rows)
 
     def _bucket(self, size: int) -> _Bucket:
         if size in self._by_size:
@@ -122,11 +158,12 @@ class DecodeGraphs:
         cache = self._cache
         device = cache.k.device
         idle = [SeqChunk(row, 1, 0, (self._scratch,)) for row in range(size)]  # all rows padding until filled
-        mask = flex_decode_tensors([1] * size, [c.block_ids for c in idle], cache)
-        rows = torch.from_numpy(cache.write_rows(slot_mapping(idle, cache.shape.block_size))).to(device)
-        batch = AttentionBatch(rows, FlexDecode(None, size, paged_block_mask(mask, 1, cache)), [], None, self._flex_fn)
-        bucket = _Bucket(torch.zeros(size, dtype=torch.int64, device=device), torch.zeros(size, dtype=torch.int64, device=device),
-                         rows, mask, batch, torch.arange(size, device=device))
+        inputs = StagedInputs(self._arrays(np.zeros(size, dtype=np.int64), idle), device)
+        t = inputs.device
+        mask = PagedMaskTensors(**{f: t[f] for f in PagedMaskTensors.__slots__ if f in t})
+        decode = FlexDecode(None, size, paged_block_mask(mask, self._q_per_kv, cache, causal=False))
+        batch = AttentionBatch(t["write_rows"], decode, [], None, self._flex_fn)
+        bucket = _Bucket(inputs, batch, torch.arange(size, device=device))
         if self._capture:
             self._capture_graph(bucket)
         self._by_size[size] = bucket

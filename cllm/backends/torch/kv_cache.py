@@ -36,6 +36,11 @@ class KVCacheShape:
     block_size: int  # token slots per block
     num_kv_heads: int  # key/value heads
     head_dim: int  # per-head width
+    max_seq_blocks: int = 0  # most blocks one sequence can hold (0 = num_blocks)
+
+    @property
+    def seq_blocks(self) -> int:
+        return self.max_seq_blocks or self.num_blocks
 
 
 class PagedKVCache:
