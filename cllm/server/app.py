@@ -19,7 +19,7 @@ from cllm.server.errors import install_error_handlers
 from cllm.server.host_guard import LOOPBACK_HOSTS, HostGuardMiddleware
 from cllm.server.lifecycle import lifespan_for, request_drain
 from cllm.server.routes import KNOWN_PATHS, routers
-from cllm.server.slow_clients import header_deadline_protocol
+from cllm.server.slow_clients import header_limits_protocol
 from cllm.server.state import ServerState
 
 log = logging.getLogger("cllm.server")
@@ -112,9 +112,9 @@ def uvicorn_config(app: FastAPI, config: CllmConfig) -> uvicorn.Config:
         timeout_graceful_shutdown=int(server_cfg.shutdown_grace_s + _CONNECTION_GRACE_MARGIN_S),
         # Slow and greedy clients (issue 9 defect 14): idle keep-alives, header size and time, and
         # how many connections and requests are open at once (beyond it, 503).
-        http=header_deadline_protocol(server_cfg.header_read_timeout_s),
+        http=header_limits_protocol(header_timeout_s=server_cfg.header_read_timeout_s,
+                                    max_header_bytes=server_cfg.max_header_bytes),
         timeout_keep_alive=server_cfg.keep_alive_timeout_s,  # type: ignore[arg-type]  # call_later takes floats
-        h11_max_incomplete_event_size=server_cfg.max_header_bytes,
         limit_concurrency=server_cfg.max_connections,
     )
 

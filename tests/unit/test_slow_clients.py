@@ -1,14 +1,19 @@
-"""Issue 9 defect 14, the transport half: slowloris headers, slow bodies and a connection cap, on a
-real uvicorn server with cllm's settings (over the fake backend: no model needed)."""
+"""Issue 9 defect 14, the transport half: slowloris and oversized headers, slow bodies and a connection
+cap, on a real uvicorn server with cllm's settings (over the fake backend: no model needed)."""
 from __future__ import annotations
 
+import json
 import socket
 import time
 
 import httpx
+import pytest
+from fastapi import FastAPI
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from cllm.server.app import uvicorn_config
 from tests.unit.fakes import FakeBackend, fake_config
-from tests.unit.live_server import live_server
+from tests.unit.live_server import SlowFakeBackend, live_server
 
 BODY = b'{"prompt": "ab", "max_tokens": 2}'
 
@@ -43,6 +48,73 @@ def test_a_client_trickling_its_headers_is_disconnected():
         # a normal request is unaffected, also one that is not in a hurry after its headers
         assert httpx.post(f"{url}/v1/completions", content=BODY, headers={"Content-Type": "application/json"},
                           timeout=10).status_code == 200
+
+
+@pytest.mark.parametrize("pieces", [
+    (b"GET /health HTTP/1.1\r\n", b"Host: localhost\r\n", b"X-Slow: 1\r\n"),
+    (b"\r\n", b"\r\n", b"\r\n"),  # blank lines start no request (the parser skips them) but are no headers either
+], ids=["next-request", "blank-lines"])
+def test_a_keep_alive_connection_trickling_its_next_request_is_disconnected(pieces):
+    config = fake_config(header_read_timeout_s=0.5, keep_alive_timeout_s=30)
+    with live_server(config, FakeBackend(slots=1)) as url:
+        sock = connect(url)
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: localhost\r\n\r\n")
+        sock.settimeout(5)
+        assert sock.recv(65536).startswith(b"HTTP/1.1 200")
+        time.sleep(1)  # idle between requests: the keep-alive timeout's business, not the header clock's
+        start = time.monotonic()
+        for piece in pieces:
+            sock.sendall(piece)
+            time.sleep(0.1)
+        assert read_until_closed(sock, timeout_s=5) == b""
+        assert 0.4 < time.monotonic() - start < 3
+        sock.close()
+
+
+def test_headers_trickled_behind_a_stream_do_not_cut_it_but_close_the_connection_after():
+    config = fake_config(header_read_timeout_s=0.3, keep_alive_timeout_s=30)
+    with live_server(config, SlowFakeBackend(slots=1, step_s=0.1)) as url:
+        body = json.dumps({"prompt": "ab", "max_tokens": 10, "ignore_eos": True, "stream": True}).encode()
+        sock = connect(url)
+        start = time.monotonic()
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+                     + b"GET /health HTTP/1.1\r\n")  # pipelined, in the same read, and never finished
+        response = read_until_closed(sock, timeout_s=10)
+        sock.close()
+        assert response.count(b"data: ") == 11 and response.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n")
+        assert 1.0 < time.monotonic() - start < 3  # ten 0.1 s steps, then the pipelined request's deadline
+
+
+def test_oversized_headers_are_refused_and_the_server_carries_on():
+    config = fake_config(header_read_timeout_s=30)  # only the size bound can close these connections in time
+    limit = config.server.max_header_bytes
+    with live_server(config, FakeBackend(slots=1)) as url:
+        sock = connect(url)  # just over the bound, one header line that never ends
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: localhost\r\nX-Big: " + b"a" * limit)
+        response = read_until_closed(sock, timeout_s=5)
+        sock.close()
+        assert response.startswith(b"HTTP/1.1 431"), response[:200]
+        assert b"headers_too_large" in response
+
+        sock = connect(url)  # far over it: 200 KB of header lines, which a server without the bound answers
+        filler = b"".join(b"X-Filler-%d: %s\r\n" % (i, b"a" * 100) for i in range(2000))
+        try:
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n" + filler + b"\r\n")
+            response = read_until_closed(sock, timeout_s=5)
+        except (ConnectionResetError, BrokenPipeError):
+            response = b""  # closed with our bytes unread: the kernel's reset drops the 431
+        sock.close()
+        assert response == b"" or response.startswith(b"HTTP/1.1 431"), response[:200]
+
+        assert httpx.get(f"{url}/health", timeout=10).status_code == 200
+
+
+def test_the_server_parses_http_with_httptools():
+    """The C parser (not uvicorn's pure-Python h11) frames every streamed chunk."""
+    uv_config = uvicorn_config(FastAPI(), fake_config())
+    uv_config.load()  # resolves ``http=`` to the class uvicorn.Server builds each connection's protocol from
+    assert issubclass(uv_config.http_protocol_class, HttpToolsProtocol)
 
 
 def test_an_idle_connection_that_never_sends_a_request_is_closed():
