@@ -254,6 +254,7 @@ def main() -> None:
     sheet = next((v for k, v in DATASHEET_GBPS.items() if k in name), None)
     print(f"device {name}: measured copy bandwidth {bandwidth / 1e9:.0f} GB/s" + (f", datasheet {sheet:.0f} GB/s" if sheet else ""))
     rows: list[Row] = []
+    failed_checks = []
     for shape in args.shapes:
         with tempfile.TemporaryDirectory() as tmp:
             t0 = time.perf_counter()
@@ -263,6 +264,8 @@ def main() -> None:
             if shape in args.check_shapes:
                 worst, agree = check_logits(Path(tmp), args)
                 verdict = "ok" if worst < CHECK_MAX_REL_ERROR else "FAIL"
+                if verdict == "FAIL":
+                    failed_checks.append(shape)
                 print(f"{shape}: logits vs transformers float32: worst row rel. error {worst:.2e}, "
                       f"greedy agreement {agree:.0%} [{verdict}]", flush=True)
                 release(dev)
@@ -298,6 +301,8 @@ def main() -> None:
         print(f"{r.shape:>13} B={r.batch:<4} cllm {r.cllm_tok_s:9.1f} tok/s ({r.cllm_step_ms:7.2f} ms/step)"
               + (f" | hf static {r.hf_tok_s:9.1f} tok/s ({r.cllm_tok_s / r.hf_tok_s:5.2f}x)" if r.hf_tok_s else "")
               + (f" | floor {r.floor_ms:6.2f} ms, step/floor {r.vs_floor:4.2f}" if r.floor_ms else ""))
+    if failed_checks:
+        raise SystemExit(f"logit check failed for {failed_checks}: these figures are of a wrong computation")
 
 
 def release(device: torch.device) -> None:

@@ -22,6 +22,10 @@ from cllm.server.errors import APIError
 log = logging.getLogger("cllm.server")
 
 
+class _HeadersTooLarge(Exception):
+    """Raised from a parser callback to stop the request before the app sees it."""
+
+
 class HeaderLimitsProtocol(HttpToolsProtocol):
     """HttpToolsProtocol that closes a connection whose request headers are late or too large.
 
@@ -38,6 +42,7 @@ class HeaderLimitsProtocol(HttpToolsProtocol):
         super().connection_made(transport)
         self._awaiting_headers = True  # the parser is between requests or inside a request's head
         self._header_bytes = 0  # bytes received while awaiting this request's headers
+        self._headers_too_large = False  # set when complete headers turn out over the bound
         self._header_timer: asyncio.TimerHandle | None = None
         self._start_clock()
 
@@ -58,7 +63,17 @@ class HeaderLimitsProtocol(HttpToolsProtocol):
     def on_headers_complete(self) -> None:
         self._awaiting_headers = False
         self._disarm()
+        # headers that arrived whole in one read were never incomplete at the end of a read: measured here
+        if len(self.url) + sum(len(name) + len(value) + 4 for name, value in self.headers) > self.max_header_bytes:
+            self._headers_too_large = True
+            raise _HeadersTooLarge  # httptools stops parsing; uvicorn answers through send_400_response
         super().on_headers_complete()
+
+    def send_400_response(self, msg: str) -> None:
+        if self._headers_too_large:
+            self._refuse_oversized_headers()
+        else:
+            super().send_400_response(msg)
 
     def on_message_complete(self) -> None:
         super().on_message_complete()

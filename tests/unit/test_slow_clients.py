@@ -97,6 +97,12 @@ def test_oversized_headers_are_refused_and_the_server_carries_on():
         assert response.startswith(b"HTTP/1.1 431"), response[:200]
         assert b"headers_too_large" in response
 
+        sock = connect(url)  # over it in one complete request, which one read delivers whole
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: localhost\r\nX-Big: " + b"a" * limit + b"\r\n\r\n")
+        response = read_until_closed(sock, timeout_s=5)
+        sock.close()
+        assert response.startswith(b"HTTP/1.1 431"), response[:200]
+
         sock = connect(url)  # far over it: 200 KB of header lines, which a server without the bound answers
         filler = b"".join(b"X-Filler-%d: %s\r\n" % (i, b"a" * 100) for i in range(2000))
         try:

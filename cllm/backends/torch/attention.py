@@ -112,7 +112,12 @@ def attention_mode(setting: str, device: torch.device, block_size: int) -> str:
             f"attention='flash' needs CUDA, the flash_attn package and block_size % {FLASH_PAGE_MULTIPLE} == 0 "
             f"(device {device}, block_size {block_size})"
         )
-    mode = setting if setting != "auto" else ("flash" if flash_usable(device, block_size) else "flex") if device.type == "cuda" else "sdpa"
+    if setting != "auto":
+        mode = setting
+    elif device.type == "cuda":
+        mode = "flash" if flash_usable(device, block_size) else "flex"
+    else:
+        mode = "sdpa"
     if mode == "flex" and device.type == "cuda" and (block_size < 16 or block_size & (block_size - 1)):
         raise ValueError(f"block_size {block_size}: FlexAttention on CUDA tiles the KV axis by the page, "
                          "which must be a power of two of at least 16")
