@@ -194,10 +194,11 @@ class TorchBackend(Backend):
             starts: list[int] = list(range(n))
         else:
             starts = [0] + [r for r in range(1, n) if sequence_ids[r] != sequence_ids[r - 1]]
+            if len({sequence_ids[r] for r in starts}) != len(starts):
+                raise BackendError("each sequence's tokens must be contiguous in the batch",
+                                   list(dict.fromkeys(sequence_ids)))
         ends = starts[1:] + [n]
         chunks = [self._chunk(sequence_ids[start], start, end) for start, end in zip(starts, ends)]
-        if len({c.seq_id for c in chunks}) != len(chunks):
-            raise BackendError("each sequence's tokens must be contiguous in the batch", [c.seq_id for c in chunks])
         # every row's position continues its sequence's KV: pos[r] == start_pos + (r - row_start)
         offsets = np.fromiter((c.start_pos - c.row_start for c in chunks), dtype=np.int64, count=len(chunks))
         lengths = np.fromiter((c.row_end - c.row_start for c in chunks), dtype=np.int64, count=len(chunks))
