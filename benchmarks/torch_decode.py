@@ -11,7 +11,8 @@ context). Every runner gets the same token ids:
 - hf generate_batch: transformers' continuous batching (``generate_batch``).
 
 transformers runs in float32 (its CPU default); cllm in ``--dtype`` (auto =
-bfloat16 on CPUs with AVX512-BF16/AMX). Best of ``--repeats`` per cell; each
+bfloat16 on CPUs with AVX512-BF16/AMX, else float32 with float16 linear weights:
+``--linear-weights``). Best of ``--repeats`` per cell; each
 repeat uses fresh prompts so no prefix cache serves one repeat from another.
 
     .venv/bin/python benchmarks/torch_decode.py --threads 2 --levels 1 4 16 32
@@ -70,8 +71,8 @@ def best_rate(run: Runner, tokenizer: cllm.Tokenizer, level: int, args: argparse
 
 def cllm_runner(args: argparse.Namespace) -> tuple[Runner, cllm.LLM]:
     n_ctx = max(args.levels) * (args.prompt_tokens + args.max_tokens + 64)
-    llm = cllm.LLM(backend="torch", dtype=args.dtype, n_threads=args.threads, n_seq_max=max(args.levels),
-                   n_ctx=max(n_ctx, 8192))
+    llm = cllm.LLM(backend="torch", dtype=args.dtype, linear_weights=args.linear_weights, n_threads=args.threads,
+                   n_seq_max=max(args.levels), n_ctx=max(n_ctx, 8192))
 
     def run(prompts: list[list[int]], max_tokens: int) -> int:
         outs = llm.generate(prompts, cllm.SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
@@ -115,6 +116,7 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=0, help="pad every prompt to this many tokens (0 = ~12)")
     parser.add_argument("--threads", type=int, default=2, help="CPU threads for every runner")
     parser.add_argument("--dtype", default="auto", help="cllm torch dtype (auto|float32|bfloat16)")
+    parser.add_argument("--linear-weights", default="auto", help="cllm torch linear_weights (auto|dtype|float16)")
     parser.add_argument("--repeats", type=int, default=2, help="runs per cell; the best is reported")
     parser.add_argument("--min-idle", type=float, default=0.0, help="before each run wait until this share of CPU is idle")
     parser.add_argument("--max-wait", type=float, default=300.0, help="longest wait for --min-idle, seconds")
@@ -128,7 +130,9 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     run, llm = cllm_runner(args)
-    runners = {f"cllm torch ({llm.engine.backend.dtype})".replace("torch.", ""): run}
+    backend = llm.engine.backend
+    weights = ", float16 weights" if backend.fp16_weights else ""
+    runners = {f"cllm torch ({backend.dtype}{weights})".replace("torch.", ""): run}
     if not args.no_hf:
         runners.update(hf_runners(args))
     tokenizer = llm.tokenizer

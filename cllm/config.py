@@ -62,6 +62,7 @@ class TorchConfig(_Section):
 
     device: str = Field("auto", description="auto | cpu | cuda | cuda:N")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description="auto = bfloat16 on CUDA and on CPUs with native bf16 (AVX512-BF16 or AMX), else float32")
+    linear_weights: Literal["auto", "dtype", "float16"] = Field("auto", description="how the linear layers' weights are stored under float32 compute on CPU: dtype = float32; float16 = half the bytes through fbgemm's fp16 GEMM (activations and accumulation stay float32; each weight rounded to float16); auto = float16 when dtype is auto and resolves to float32 on CPU (no native bf16, e.g. AVX2-only) and fbgemm runs here, else dtype")
     block_size: int = Field(16, ge=1, le=1024, description="tokens per paged KV block")
     torch_compile: bool = Field(False, description="wrap the model forward in torch.compile")
     attention: Literal["auto", "sdpa", "flex", "flash"] = Field("auto", description="attention kernel: auto = flash (flash_attn installed, block_size % 256 == 0) else flex on CUDA, sdpa on CPU; flex = FlexAttention over the paged pool (compiled on CUDA, and on CPU with torch_compile); sdpa = gathered blocks + SDPA/matmul")

@@ -22,7 +22,7 @@ from cllm.backends.packing import pack_inputs
 from cllm.backends.torch.attention import SeqChunk, attention_mode, build_attention_batch, slot_mapping
 from cllm.backends.torch.block_manager import BlockManager
 from cllm.backends.torch.cuda_graphs import DecodeGraphs, graph_buckets
-from cllm.backends.torch.device import resolve_device, resolve_dtype
+from cllm.backends.torch.device import resolve_device, resolve_dtype, resolve_fp16_weights
 from cllm.backends.torch.embedding import pooled_hidden_states
 from cllm.backends.torch.flex import flex_function
 from cllm.backends.torch.kv_cache import KVCacheShape, PagedKVCache
@@ -55,6 +55,9 @@ class TorchBackend(Backend):
     def __init__(self, config: CllmConfig) -> None:
         self.device = resolve_device(config.torch.device)
         self.dtype = resolve_dtype(config.torch.dtype, self.device)
+        self.fp16_weights = resolve_fp16_weights(
+            config.torch.linear_weights, config.torch.dtype, self.dtype, self.device, compiled=config.torch.torch_compile
+        )
         if self.device.type == "cpu":
             torch.set_num_threads(config.model.n_threads or _usable_cores())
         if self.device.type == "cuda":
@@ -63,7 +66,8 @@ class TorchBackend(Backend):
         self.spec = loaded.spec
         self._tokenizer = _load_tokenizer(loaded)
         self.model = CausalLM(
-            loaded.spec, loaded.state_dict, dtype=self.dtype, device=self.device, compiled=config.torch.torch_compile
+            loaded.spec, loaded.state_dict, dtype=self.dtype, device=self.device, compiled=config.torch.torch_compile,
+            fp16_weights=self.fp16_weights,
         )
         del loaded
         block_size = config.torch.block_size

@@ -91,7 +91,7 @@ class CausalLM:
 
     def __init__(
         self, spec: ModelSpec, state: dict[str, torch.Tensor], *, dtype: torch.dtype, device: torch.device,
-        compiled: bool = False,
+        compiled: bool = False, fp16_weights: bool = False,
     ) -> None:
         self.spec = spec
         for name in ("model.embed_tokens.weight", "model.norm.weight"):
@@ -104,9 +104,11 @@ class CausalLM:
         self.norm = state["model.norm.weight"].to(device, dtype)
         head = state.get("lm_head.weight")
         # Tied embeddings reuse the embedding matrix (GGUF loads may still list lm_head as an alias).
-        self.lm_head = Linear(self.embed if head is None or spec.tie_word_embeddings else head.to(device, dtype), None, prepack=prepack)
+        self.lm_head = Linear(self.embed if head is None or spec.tie_word_embeddings else head.to(device, dtype), None,
+                              prepack=prepack, fp16_weights=fp16_weights)
         self.layers = [
-            _layer_weights(spec, state, f"model.layers.{i}.", dtype, device, prepack) for i in range(spec.num_layers)
+            _layer_weights(spec, state, f"model.layers.{i}.", dtype, device, prepack, fp16_weights)
+            for i in range(spec.num_layers)
         ]
         self._attention_inputs, self._output_and_mlp = attention_inputs, output_and_mlp
         if compiled:  # weights are arguments, not attributes, so every layer shares one compiled graph
@@ -143,7 +145,7 @@ class CausalLM:
 
 def _layer_weights(
     spec: ModelSpec, state: dict[str, torch.Tensor], prefix: str, dtype: torch.dtype, device: torch.device,
-    prepack: bool,
+    prepack: bool, fp16_weights: bool,
 ) -> LayerWeights:
     """One layer's HF tensors, fused (q|k|v, gate|up), cast and moved; absent biases stay None."""
     _check_present(spec, state, prefix)
@@ -158,7 +160,7 @@ def _layer_weights(
 
     def linear(weight: torch.Tensor | None, bias: torch.Tensor | None) -> Linear:
         assert weight is not None  # _check_present guarantees every weight
-        return Linear(weight, bias, prepack=prepack)
+        return Linear(weight, bias, prepack=prepack, fp16_weights=fp16_weights)
 
     attn, mlp = "self_attn.", "mlp."
     qk_norm = None
