@@ -52,10 +52,19 @@ PUBLISH_EVERY_S = 0.05
 # alone, the bench client's 64 follow-ups (spread over 35-50 ms with 4.5 ms pauses on the 2-core
 # Xeon) were split 6 + 58: the 6 decoded beside the 58's 7 s prefill (ITL p99 2-3.7 s) and, ending
 # a step early, split the next round the same way.
+# On the 2-3x slower AVX2-only EPYC the same 64 follow-ups took over 100 ms to arrive, with gaps up to
+# 27 ms: the gather stopped at BURST_MAX_WAIT_S with 28 of 64 in, and the other 36's 4 s prefill stalled
+# the 28's decodes (churn ITL p99 2,266 ms vs llama-server's 271). So while arrivals are owed the quiet
+# window is 25 ms and the gather may last BURST_EXPECT_MAX_WAIT_S: small beside the burst's prefill
+# (64 x 32 prompt tokens: ~8 s there), and never paid by a lone client, whose return clears the debt.
+# The same 25 ms window holds once two requests have come in with none owed (N clients starting
+# together): with 1 ms the benchmark's opening 64 split 26 + 38 there, and the two groups, ending
+# apart, kept splitting every later round.
 BURST_QUIET_S = 0.001
-BURST_EXPECT_QUIET_S = 0.01
+BURST_EXPECT_QUIET_S = 0.025
 BURST_EXPECT_WITHIN_S = 1.0
 BURST_MAX_WAIT_S = 0.1
+BURST_EXPECT_MAX_WAIT_S = 0.5
 
 
 @dataclass(slots=True)
@@ -200,18 +209,31 @@ class AsyncLLM:
 
     def _gather_burst(self) -> None:
         """Take in requests still arriving until none is being tokenised and the inbox has been quiet
-        for BURST_QUIET_S, or BURST_EXPECT_QUIET_S while arrivals are owed (at most BURST_MAX_WAIT_S)."""
+        for the window of :meth:`_quiet_window`, for at most BURST_MAX_WAIT_S (BURST_EXPECT_MAX_WAIT_S
+        when arrivals were owed at the start)."""
         self._owe(0)
-        deadline = time.monotonic() + BURST_MAX_WAIT_S
+        expected = bool(self._owed)
+        deadline = time.monotonic() + (BURST_EXPECT_MAX_WAIT_S if expected else BURST_MAX_WAIT_S)
+        taken = 0
         while not self._stopping and time.monotonic() < deadline:
             self._wake.clear()
-            woke = self._wake.wait(BURST_EXPECT_QUIET_S if self._owed else BURST_QUIET_S)
+            woke = self._wake.wait(self._quiet_window(expected, taken))
             # Read before draining: a request leaves the count only after its command is queued, so
             # one that left it by now is in the inbox. Drained either way: a command queued between
             # the last drain and clear() above had its wake-up cleared.
             arriving = self._num_arriving
-            if not self._drain_inbox() and not woke and not arriving:
+            drained = self._drain_inbox()
+            taken += drained
+            if not drained and not woke and not arriving:
                 return
+
+    def _quiet_window(self, expected: bool, taken: int) -> float:
+        """How long the inbox must stay quiet to end a gather: BURST_EXPECT_QUIET_S while arrivals are
+        owed, or while an unannounced burst (two or more requests, e.g. N clients starting together)
+        is coming in; BURST_QUIET_S for a lone request, and once every owed client is back."""
+        if self._owed or (not expected and taken >= 2):
+            return BURST_EXPECT_QUIET_S
+        return BURST_QUIET_S
 
     def _idle_work(self) -> bool:
         """One unit of the engine's idle housekeeping (saving idle slots' KV to the host prompt cache),

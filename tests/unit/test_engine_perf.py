@@ -123,6 +123,34 @@ def test_a_closed_loop_round_is_gathered_into_one_step(monkeypatch):
     assert follow_ups == ["b0", "b1", "b2", "b3"]
 
 
+def test_a_closed_loop_round_slower_than_the_plain_wait_bound_is_still_gathered(monkeypatch):
+    # On a slow machine a closed loop's follow-ups spread over more than BURST_MAX_WAIT_S (0.1 s): while
+    # they are owed the gather may last BURST_EXPECT_MAX_WAIT_S (0.5 s), so 4 arrivals 60 ms apart
+    # (0.18 s in all) still share one step. (Quiet window widened against a loaded machine's late sleeps.)
+    monkeypatch.setattr(async_llm, "BURST_EXPECT_QUIET_S", 0.2)
+    assert async_llm.BURST_MAX_WAIT_S < 0.18 < async_llm.BURST_EXPECT_MAX_WAIT_S
+
+    async def main() -> list:
+        backend = FakeBackend(slots=8, forward_sleep_s=0.0005)
+        engine = cllm.AsyncLLM(backend=backend, config=fake_config())
+        params = cllm.SamplingParams(max_tokens=4, temperature=0)
+
+        async def one(request_id: str, prompt: list[int], delay_s: float = 0.0) -> None:
+            await asyncio.sleep(delay_s)
+            async for _ in engine.generate(prompt, params, request_id=request_id):
+                pass
+        try:
+            await asyncio.gather(*(one(f"a{i}", [i + 1]) for i in range(4)))
+            await asyncio.gather(*(one(f"b{i}", [i + 5], 0.06 * i) for i in range(4)))
+        finally:
+            await engine.shutdown()
+        return [sorted(ids) for _, _, ids in backend.batches]
+
+    batches = asyncio.run(main())
+    follow_ups = next(ids for ids in batches if any(i.startswith("b") for i in ids))
+    assert follow_ups == ["b0", "b1", "b2", "b3"]
+
+
 def test_physical_cores_counts_smt_siblings_once(tmp_path):
     for cpu, siblings in {0: "0,2", 1: "1,3", 2: "0,2", 3: "1,3"}.items():
         d = tmp_path / f"cpu{cpu}" / "topology"
