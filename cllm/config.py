@@ -61,7 +61,7 @@ class TorchConfig(_Section):
     """torch-backend-only knobs."""
 
     device: str = Field("auto", description="auto | cpu | cuda | cuda:N")
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description="auto = bfloat16 on CUDA and on CPUs with native bf16 (AVX512-BF16 or AMX), else float32")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description="auto = bfloat16 on CUDA and on CPUs with native bf16 (AVX512-BF16 or AMX), else float32 (with float16 linear weights: see linear_weights)")
     linear_weights: Literal["auto", "dtype", "float16"] = Field("auto", description="how the linear layers' weights are stored under float32 compute on CPU: dtype = float32; float16 = half the bytes through fbgemm's fp16 GEMM (activations and accumulation stay float32; each weight rounded to float16); auto = float16 when dtype is auto and resolves to float32 on CPU (no native bf16, e.g. AVX2-only) and fbgemm runs here, else dtype")
     block_size: int = Field(16, ge=1, le=1024, description="tokens per paged KV block")
     torch_compile: bool = Field(False, description="wrap the model forward in torch.compile")
