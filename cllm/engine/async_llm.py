@@ -178,7 +178,7 @@ class AsyncLLM:
         try:
             while not self._stopping:
                 was_idle = not self.engine.has_unfinished()
-                self._drain_inbox()
+                taken = self._drain_inbox()
                 self._run_embed_jobs()
                 if not self.engine.has_unfinished():
                     if not self._idle_work():  # after a unit of it the inbox is looked at again
@@ -186,7 +186,7 @@ class AsyncLLM:
                         self._wake.clear()
                     continue
                 if was_idle:
-                    self._gather_burst()
+                    self._gather_burst(taken)
                 with self._state_lock:
                     outputs = self.engine.step()
                     self._publish_after_step()
@@ -207,14 +207,13 @@ class AsyncLLM:
                 if self._close_pending:  # shutdown gave up waiting: free the engine now, after the step
                     self.engine.close()
 
-    def _gather_burst(self) -> None:
+    def _gather_burst(self, taken: int) -> None:
         """Take in requests still arriving until none is being tokenised and the inbox has been quiet
         for the window of :meth:`_quiet_window`, for at most BURST_MAX_WAIT_S (BURST_EXPECT_MAX_WAIT_S
-        when arrivals were owed at the start)."""
+        when arrivals were owed at the start). ``taken``: requests the idle engine has just drained."""
         self._owe(0)
         expected = bool(self._owed)
         deadline = time.monotonic() + (BURST_EXPECT_MAX_WAIT_S if expected else BURST_MAX_WAIT_S)
-        taken = 0
         while not self._stopping and time.monotonic() < deadline:
             self._wake.clear()
             woke = self._wake.wait(self._quiet_window(expected, taken))

@@ -94,33 +94,41 @@ def test_a_burst_waits_for_a_request_still_being_tokenised(monkeypatch):
     assert _first_step_of_a_burst(2, 0.0, slow_tokenising_for_the_second) == ["r0", "r1"]
 
 
+def _batches_of_rounds(rounds: list[list[float]]) -> list[list[str]]:
+    """Request ids of each forward batch when rounds of requests run one after another; a round's
+    requests (ids ``r<round><i>``) start after their delays, counted from the end of the round before."""
+    async def main() -> list:
+        backend = FakeBackend(slots=8, forward_sleep_s=0.0005)
+        engine = cllm.AsyncLLM(backend=backend, config=fake_config())
+        params = cllm.SamplingParams(max_tokens=4, temperature=0)
+
+        async def one(request_id: str, prompt: list[int], delay_s: float) -> None:
+            await asyncio.sleep(delay_s)
+            async for _ in engine.generate(prompt, params, request_id=request_id):
+                pass
+        try:
+            for r, delays in enumerate(rounds):
+                await asyncio.gather(*(one(f"r{r}{i}", [10 * r + i + 1], d) for i, d in enumerate(delays)))
+        finally:
+            await engine.shutdown()
+        return [sorted(ids) for _, _, ids in backend.batches]
+
+    return asyncio.run(main())
+
+
+def _first_batch_of_round(batches: list[list[str]], r: int) -> list[str]:
+    return next(ids for ids in batches if any(i.startswith(f"r{r}") for i in ids))
+
+
 def test_a_closed_loop_round_is_gathered_into_one_step(monkeypatch):
     # 4 clients whose requests ended in the same step send their next ones 20 ms apart: far longer
     # than the 1 ms quiet window, but as many arrivals as finishes are expected, so the idle engine
     # waits BURST_EXPECT_QUIET_S between them (widened to 200 ms against a loaded machine's late sleeps).
     monkeypatch.setattr(async_llm, "BURST_EXPECT_QUIET_S", 0.2)
     monkeypatch.setattr(async_llm, "BURST_MAX_WAIT_S", 2.0)
-
-    async def main() -> list:
-        backend = FakeBackend(slots=8, forward_sleep_s=0.0005)
-        engine = cllm.AsyncLLM(backend=backend, config=fake_config())
-        params = cllm.SamplingParams(max_tokens=4, temperature=0)
-
-        async def one(request_id: str, prompt: list[int], delay_s: float = 0.0) -> None:
-            await asyncio.sleep(delay_s)
-            async for _ in engine.generate(prompt, params, request_id=request_id):
-                pass
-        try:
-            await asyncio.gather(*(one(f"a{i}", [i + 1]) for i in range(4)))
-            await asyncio.gather(*(one(f"b{i}", [i + 5], 0.02 * i) for i in range(4)))
-        finally:
-            await engine.shutdown()
-        return [sorted(ids) for _, _, ids in backend.batches]
-
-    batches = asyncio.run(main())
-    assert batches[0] == ["a0", "a1", "a2", "a3"]  # the first round ran (and ended) together
-    follow_ups = next(ids for ids in batches if any(i.startswith("b") for i in ids))
-    assert follow_ups == ["b0", "b1", "b2", "b3"]
+    batches = _batches_of_rounds([[0.0] * 4, [0.02 * i for i in range(4)]])
+    assert batches[0] == ["r00", "r01", "r02", "r03"]  # the first round ran (and ended) together
+    assert _first_batch_of_round(batches, 1) == ["r10", "r11", "r12", "r13"]
 
 
 def test_a_closed_loop_round_slower_than_the_plain_wait_bound_is_still_gathered(monkeypatch):
@@ -129,26 +137,17 @@ def test_a_closed_loop_round_slower_than_the_plain_wait_bound_is_still_gathered(
     # (0.18 s in all) still share one step. (Quiet window widened against a loaded machine's late sleeps.)
     monkeypatch.setattr(async_llm, "BURST_EXPECT_QUIET_S", 0.2)
     assert async_llm.BURST_MAX_WAIT_S < 0.18 < async_llm.BURST_EXPECT_MAX_WAIT_S
+    batches = _batches_of_rounds([[0.0] * 4, [0.06 * i for i in range(4)]])
+    assert _first_batch_of_round(batches, 1) == ["r10", "r11", "r12", "r13"]
 
-    async def main() -> list:
-        backend = FakeBackend(slots=8, forward_sleep_s=0.0005)
-        engine = cllm.AsyncLLM(backend=backend, config=fake_config())
-        params = cllm.SamplingParams(max_tokens=4, temperature=0)
 
-        async def one(request_id: str, prompt: list[int], delay_s: float = 0.0) -> None:
-            await asyncio.sleep(delay_s)
-            async for _ in engine.generate(prompt, params, request_id=request_id):
-                pass
-        try:
-            await asyncio.gather(*(one(f"a{i}", [i + 1]) for i in range(4)))
-            await asyncio.gather(*(one(f"b{i}", [i + 5], 0.06 * i) for i in range(4)))
-        finally:
-            await engine.shutdown()
-        return [sorted(ids) for _, _, ids in backend.batches]
-
-    batches = asyncio.run(main())
-    follow_ups = next(ids for ids in batches if any(i.startswith("b") for i in ids))
-    assert follow_ups == ["b0", "b1", "b2", "b3"]
+def test_an_unannounced_burst_widens_the_quiet_window(monkeypatch):
+    # Nothing owed (clients starting together): once two requests are in, the gather waits
+    # BURST_EXPECT_QUIET_S (widened to 200 ms here) for more instead of BURST_QUIET_S (1 ms), so two
+    # later arrivals 30 ms apart join the first step.
+    monkeypatch.setattr(async_llm, "BURST_EXPECT_QUIET_S", 0.2)
+    monkeypatch.setattr(async_llm, "BURST_MAX_WAIT_S", 2.0)
+    assert _batches_of_rounds([[0.0, 0.0, 0.03, 0.06]])[0] == ["r00", "r01", "r02", "r03"]
 
 
 def test_physical_cores_counts_smt_siblings_once(tmp_path):
