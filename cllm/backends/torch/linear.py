@@ -48,9 +48,7 @@ class Linear:
         self.weight = weight  # the plain [out, in] weight, unless packed (then None)
         self.packed: torch.Tensor | None = None  # oneDNN-blocked weight
         self.fp16: object | None = None  # fbgemm-packed float16 weight (and bias): a float32 model's fp16_weights
-        if fp16_weights:
-            if weight.dtype != torch.float32 or not fp16_linear_works():
-                raise ValueError("fp16_weights needs a float32 weight on a CPU where fbgemm's fp16 GEMM runs")
+        if fp16_weights:  # resolve_fp16_weights checked that fbgemm runs here and the weight is float32
             self.fp16 = _FP16_PREPACK(weight, bias)
             self.weight = None
         elif prepack and weight.device.type == "cpu" and torch.backends.mkldnn.is_available():
@@ -92,11 +90,11 @@ def packing_works(dtype: torch.dtype) -> bool:
 @lru_cache(maxsize=None)
 def fp16_linear_works() -> bool:
     """Whether fbgemm's fp16-weight GEMM runs here and agrees with ``F.linear`` on float16-exact weights."""
+    if _FP16_LINEAR is None or _FP16_PREPACK is None:
+        return False
     weight = torch.linspace(-1, 1, 48 * 32).view(48, 32).half().float()
     bias = torch.linspace(0, 1, 48)
     probe = torch.linspace(-1, 1, 5 * 32).view(5, 32)
-    if _FP16_LINEAR is None or _FP16_PREPACK is None:
-        return False
     try:
         got = _FP16_LINEAR(probe, _FP16_PREPACK(weight, bias))
     except (RuntimeError, AttributeError, NotImplementedError):
