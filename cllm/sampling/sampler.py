@@ -19,9 +19,9 @@ from cllm.sampling.params import SamplingParams
 # A nucleus is found among the top NUCLEUS_CANDIDATES tokens when they hold the
 # needed mass (almost always), avoiding a full-vocabulary sort per row.
 NUCLEUS_CANDIDATES = 256
-# Strided groups whose maxima bound a row's k-th largest logit (top_candidates); 2048 groups
+# Strided groups whose maxima bound a row's k-th largest logit (top_candidates); 4096 groups
 # keep the bound within a few times k of the truth for real vocabularies (32k-256k).
-CANDIDATE_GROUPS = 2048
+CANDIDATE_GROUPS = 4096
 
 
 @dataclass(slots=True)
@@ -93,7 +93,8 @@ def _apply_penalties(logits: np.ndarray, rows: Sequence[SamplingRow]) -> None:
     seen = [i * vocab + np.asarray(seq, dtype=np.int64) for i, r in enumerate(rows) if r.params.repetition_penalty != 1.0
             for seq in (r.prompt_token_ids, r.output_token_ids) if len(seq)]
     if seen:
-        keys = np.unique(np.concatenate(seen))
+        keys, _ = np.unique(np.concatenate(seen), return_counts=True)  # sort-based: numpy 2.4's unique
+        # without counts hashes, ~8x slower on these ~10k keys
         r, t = np.divmod(keys, vocab)
         penalty = np.array([r_.params.repetition_penalty for r_ in rows], dtype=np.float32)[r]
         vals = logits[r, t]
@@ -130,9 +131,9 @@ def _draw(logits: np.ndarray, rows: Sequence[SamplingRow]) -> np.ndarray:
             full += members
             continue
         sub = logits if len(members) == len(rows) else logits[members]
-        for i, ids in zip(members, top_candidates(sub, k)):
-            token = _draw_from_candidates(logits[i], ids, rows[i], vocab)
-            if token is None:
+        tokens = _draw_from_candidates(sub, top_candidates(sub, k), [rows[i] for i in members], vocab)
+        for i, token in zip(members, tokens.tolist()):
+            if token < 0:
                 full.append(i)
             else:
                 chosen[i] = token
@@ -151,71 +152,119 @@ def _num_candidates(p: SamplingParams, vocab: int) -> int:
     return 0
 
 
-def top_candidates(logits: np.ndarray, k: int) -> list[np.ndarray]:
+def top_candidates(logits: np.ndarray, k: int) -> np.ndarray:
     """Per row, the ids of its k largest logits, largest first, ties by lower id (so a row's
-    candidates never depend on its batch-mates).
+    candidates never depend on its batch-mates): an (n, k) array.
 
     A lower bound on each row's k-th largest value comes from a cheap elementwise max over
-    strided groups (at least k groups reach their max, so at least k values lie above it);
-    only the few values above it are sorted.
+    strided groups (at least k groups reach their max, so at least k values lie above it); only
+    the values at or above it are found (for small k, only in the groups whose max reaches it) and
+    sorted, for the whole batch at once.
     """
-    bounds = _kth_lower_bounds(logits, k)
-    out = []
-    for i, row in enumerate(logits):
-        ids = np.flatnonzero(row >= bounds[i]) if bounds is not None else np.argpartition(row, -k)[-k:]
-        if bounds is None:  # argpartition picks arbitrarily among ties: add every tie of the k-th value
-            ids = np.flatnonzero(row >= row[ids].min())
-        order = np.lexsort((ids, -row[ids]))[:k]
-        out.append(ids[order])
-    return out
-
-
-def _kth_lower_bounds(logits: np.ndarray, k: int) -> np.ndarray | None:
-    """For each row, a value with at least k of the row's logits >= it; None when the vocabulary
-    is too small for groups to pay off."""
     n, vocab = logits.shape
     groups = max(CANDIDATE_GROUPS, 2 * k)
-    if vocab < 4 * groups:
-        return None
+    if vocab < 4 * groups:  # too small for groups to pay off
+        out = np.empty((n, k), dtype=np.int64)
+        for i, row in enumerate(logits):
+            kth = row[np.argpartition(row, -k)[-k:]].min()
+            ids = np.flatnonzero(row >= kth)  # every tie of the k-th value: lower ids win below
+            out[i] = ids[np.lexsort((ids, -row[ids]))[:k]]
+        return out
     logits = np.ascontiguousarray(logits)
     per_group = vocab // groups
     size = logits.itemsize
     # (row, member, group) view: group g of a row holds columns g, g + groups, ...; its max over
-    # members is one elementwise pass over contiguous memory (the tail beyond groups*per_group
-    # is left out, which only lowers the bound's need: those values are still candidates).
+    # members is one elementwise pass over contiguous memory.
     view = np.lib.stride_tricks.as_strided(logits, (n, per_group, groups), (logits.strides[0], groups * size, size))
     group_max = view.max(axis=1)
-    return np.partition(group_max, groups - k, axis=1)[:, groups - k]
+    bounds = np.partition(group_max, groups - k, axis=1)[:, groups - k]
+    if k * per_group <= vocab // 40:  # search only the groups whose max reaches the bound
+        rows, ids, values = _search_groups(logits, view, group_max, bounds)
+    else:  # so many groups that a strided gather (a cache miss a value) costs more than a whole-row compare
+        found = [np.flatnonzero(row >= bound) for row, bound in zip(logits, bounds.tolist())]
+        rows, ids = np.repeat(np.arange(n), [len(f) for f in found]), np.concatenate(found)
+        values = logits[rows, ids]
+    order = _row_value_id_order(rows, values, ids, vocab)
+    starts = np.concatenate([[0], np.cumsum(np.bincount(rows, minlength=n))[:-1]])
+    return ids[order][starts[:, None] + np.arange(k)]
 
 
-def _draw_from_candidates(row_logits: np.ndarray, ids: np.ndarray, row: SamplingRow, vocab: int) -> int | None:
-    """min_p -> top_k -> top_p over the row's top candidates, then the inverse-CDF draw (largest
-    first); None (and no random number used) when the candidates cannot hold the answer."""
-    p = row.params
-    weights = np.exp((row_logits[ids].astype(np.float64) - float(row_logits[ids[0]])) / p.temperature)
-    complete = bool(p.top_k and p.top_k < vocab) or len(ids) >= vocab  # every kept token is a candidate
-    if p.min_p > 0:
-        above = int(np.count_nonzero(weights >= p.min_p))  # weights are p / p(max)
-        if above == len(weights) and not complete:
-            return None  # more tokens may pass min_p beyond the candidates
-        weights, complete = weights[:above], True
-    if p.top_p < 1.0:
-        total = float(weights.sum()) if complete else _partition_sum(row_logits, p.temperature)
-        cum = np.cumsum(weights)
-        if cum[-1] < p.top_p * total:
-            return None  # a very flat distribution: the nucleus reaches beyond the candidates
-        weights = weights[: int(np.searchsorted(cum, p.top_p * total)) + 1]
-    cum = np.cumsum(weights)
-    picked = int(np.count_nonzero(cum < row.rng.random() * cum[-1]))
-    return int(ids[min(picked, len(ids) - 1)])
+def _search_groups(logits: np.ndarray, view: np.ndarray, group_max: np.ndarray,
+                   bounds: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(row, id, value) of every logit >= its row's bound, searching only the strided groups whose
+    max reaches it, and the columns past the last full group."""
+    _, per_group, groups = view.shape
+    r, g = np.divmod(np.flatnonzero(group_max >= bounds[:, None]), groups)
+    members = view[r, :, g]  # (pairs, per_group)
+    pair, member = np.divmod(np.flatnonzero(members >= bounds[r, None]), per_group)
+    tail = logits[:, groups * per_group:]
+    tr, tc = np.divmod(np.flatnonzero(tail >= bounds[:, None]), tail.shape[1])
+    return (np.concatenate([r[pair], tr]), np.concatenate([g[pair] + groups * member, tc + groups * per_group]),
+            np.concatenate([members[pair, member], tail[tr, tc]]))
 
 
-def _partition_sum(row_logits: np.ndarray, temperature: float) -> float:
-    """sum(exp((logits - max) / T)) over the whole vocabulary: the softmax denominator relative
-    to the top token's weight of 1."""
-    z = (row_logits - row_logits.max()) / np.float32(temperature)
-    np.exp(z, out=z)
-    return float(z.sum(dtype=np.float64))
+def _row_value_id_order(rows: np.ndarray, values: np.ndarray, ids: np.ndarray, vocab: int) -> np.ndarray:
+    """The permutation sorting by row, then value descending, then id: one int64 argsort of a
+    packed key (a third of np.lexsort's time), where row, value and id bits fit in 63."""
+    id_bits = max(vocab - 1, 1).bit_length()
+    if int(rows.max(initial=0)).bit_length() + 32 + id_bits > 63:
+        return np.lexsort((ids, -values, rows))
+    bits = (values.astype(np.float32) + np.float32(0)).view(np.uint32).astype(np.int64)  # + 0: -0.0 ties 0.0
+    ascending = np.where(bits >= 1 << 31, 0xFFFFFFFF - bits, bits | 1 << 31)  # float order as unsigned ints
+    key = (rows.astype(np.int64) << (32 + id_bits)) | ((0xFFFFFFFF - ascending) << id_bits) | ids
+    return np.argsort(key)
+
+
+def _draw_from_candidates(logits: np.ndarray, ids: np.ndarray, rows: Sequence[SamplingRow], vocab: int) -> np.ndarray:
+    """min_p -> top_k -> top_p over each row's top candidates (``ids``, largest first), then the
+    inverse-CDF draw; -1 (and no random number used) for a row whose candidates cannot hold the
+    answer. Every step is a row-wise array operation, so a row's token never depends on its
+    batch-mates."""
+    n, k = ids.shape
+    params = [r.params for r in rows]
+    top_logits = np.take_along_axis(logits, ids, axis=1).astype(np.float64)
+    temps = np.array([p.temperature for p in params])[:, None]
+    weights = np.exp((top_logits - top_logits[:, :1]) / temps)  # p / p(max), descending
+    complete = np.array([bool(p.top_k and p.top_k < vocab) or k >= vocab for p in params])
+    last = np.full(n, k - 1)  # index of the last kept candidate
+    ok = np.ones(n, dtype=bool)
+    min_p = np.array([p.min_p for p in params])
+    if min_p.any():
+        above = np.count_nonzero(weights >= min_p[:, None], axis=1)
+        cut = min_p > 0
+        ok &= ~(cut & (above == k) & ~complete)  # more tokens may pass min_p beyond the candidates
+        last = np.where(cut, above - 1, last)
+        complete |= cut
+    columns = np.arange(k)
+    cum = np.cumsum(np.where(columns <= last[:, None], weights, 0.0), axis=1)
+    top_p = np.array([p.top_p for p in params])
+    nucleus = np.flatnonzero(top_p < 1.0)
+    if len(nucleus):
+        total = cum[nucleus, -1]
+        wide = nucleus[~complete[nucleus]]  # their softmax denominator spans the whole vocabulary
+        if len(wide):
+            total[~complete[nucleus]] = _partition_sums(logits, wide, temps[wide, 0])
+        mass = top_p[nucleus] * total
+        ok[nucleus] &= cum[nucleus, -1] >= mass  # else a very flat distribution: the nucleus reaches beyond
+        last[nucleus] = np.minimum(last[nucleus], np.count_nonzero(cum[nucleus] < mass[:, None], axis=1))
+    u = np.zeros(n)
+    u[ok] = [rows[i].rng.random() for i in np.flatnonzero(ok)]
+    kept_mass = cum[np.arange(n), last]
+    picked = np.count_nonzero((cum < (u * kept_mass)[:, None]) & (columns <= last[:, None]), axis=1)
+    return np.where(ok, ids[np.arange(n), np.minimum(picked, last)], -1)
+
+
+def _partition_sums(logits: np.ndarray, rows: np.ndarray, temperatures: np.ndarray) -> np.ndarray:
+    """For the given rows, sum(exp((logits - max) / T)) over the whole vocabulary: the softmax
+    denominator relative to the top token's weight of 1. A row at a time through one buffer (a
+    row fits the cache; whole-batch temporaries took 1.7x as long)."""
+    sums = np.empty(len(rows))
+    z = np.empty(logits.shape[1], dtype=np.float32)
+    for i, (row, temperature) in enumerate(zip((logits[r] for r in rows), temperatures.tolist())):
+        np.subtract(row, row.max(), out=z)
+        z /= np.float32(temperature)
+        sums[i] = np.exp(z, out=z).sum(dtype=np.float64)
+    return sums
 
 
 def _draw_full(logits: np.ndarray, rows: Sequence[SamplingRow]) -> np.ndarray:

@@ -103,12 +103,15 @@ def test_top_candidates_are_the_exact_top_k_with_ties_by_id(vocab, k):
     logits = rng.normal(size=(5, vocab)).astype(np.float32)
     logits[1, :400] = 9.0  # a tie wider than k at the top: lower ids win
     logits[2, ::97] = 5.0  # ties spread over the strided groups
+    logits[3, k // 2:] = -np.inf  # a grammar mask: fewer finite values than k, -inf ties by id
+    logits[4, :] = -np.abs(logits[4, :])  # all negative, with -0.0 and 0.0 both present
+    logits[4, 7], logits[4, 8] = -0.0, 0.0
     for i, ids in enumerate(top_candidates(logits, k)):
         assert ids.tolist() == _reference_top(logits[i], k)
 
 
 def test_candidate_draws_follow_the_truncated_distribution_on_a_large_vocabulary():
-    vocab = 10_000  # above 4 x CANDIDATE_GROUPS: the strided-group bound is used
+    vocab = 20_000  # above 4 x CANDIDATE_GROUPS: the strided-group bound is used
     logits = np.full(vocab, -30.0, dtype=np.float32)
     logits[[17, 4000, 9_999]] = np.log([0.5, 0.3, 0.2])
     tokens = draw_many(logits, SamplingParams(temperature=1.0, top_k=2), n=2000)
@@ -151,3 +154,14 @@ def test_batched_penalties_equal_one_row_at_a_time():
     got = logits.copy()
     _apply_penalties(got, rows)
     assert np.allclose(got, expected, atol=1e-6)
+
+
+def test_candidate_draws_do_not_depend_on_batch_mates():
+    rng = np.random.default_rng(11)
+    logits = rng.normal(size=(4, 20_000)).astype(np.float32) * 3
+    truncating = [SamplingParams(temperature=0.7, top_k=40, top_p=0.9, seed=1), SamplingParams(temperature=1.3, top_p=0.5),
+                  SamplingParams(temperature=1.0, min_p=0.05, top_p=0.95), SamplingParams(temperature=0.9, top_k=5)]
+    for seed in range(20):
+        alone = [sample(logits[i:i + 1].copy(), [row(p, seed)])[0].token_id for i, p in enumerate(truncating)]
+        together = [s.token_id for s in sample(logits.copy(), [row(p, seed) for p in truncating])]
+        assert together == alone
