@@ -223,9 +223,12 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return bool(self._groups)
 
-    def idle_work(self) -> bool:
-        """One unit of the backend's housekeeping, only while no request is live (see Backend.idle_work)."""
-        return not self._groups and self.backend.idle_work()
+    def idle_work(self, *, queued_ok: bool = False) -> bool:
+        """One unit of the backend's housekeeping (see Backend.idle_work), only while no request is
+        live, or (``queued_ok``) while none is running: requests queued for an idle engine's first
+        step hold no slot yet, so the work touches none of theirs."""
+        idle = not self.scheduler.running if queued_ok else not self._groups
+        return idle and self.backend.idle_work()
 
     def request_ids(self) -> list[str]:
         return list(self._groups)

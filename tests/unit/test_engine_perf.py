@@ -94,11 +94,12 @@ def test_a_burst_waits_for_a_request_still_being_tokenised(monkeypatch):
     assert _first_step_of_a_burst(2, 0.0, slow_tokenising_for_the_second) == ["r0", "r1"]
 
 
-def _batches_of_rounds(rounds: list[list[float]]) -> list[list[str]]:
+def _batches_of_rounds(rounds: list[list[float]], backend: FakeBackend | None = None) -> list[list[str]]:
     """Request ids of each forward batch when rounds of requests run one after another; a round's
     requests (ids ``r<round><i>``) start after their delays, counted from the end of the round before."""
+    backend = backend or FakeBackend(slots=8, forward_sleep_s=0.0005)
+
     async def main() -> list:
-        backend = FakeBackend(slots=8, forward_sleep_s=0.0005)
         engine = cllm.AsyncLLM(backend=backend, config=fake_config())
         params = cllm.SamplingParams(max_tokens=4, temperature=0)
 
@@ -148,6 +149,57 @@ def test_an_unannounced_burst_widens_the_quiet_window(monkeypatch):
     monkeypatch.setattr(async_llm, "BURST_EXPECT_QUIET_S", 0.2)
     monkeypatch.setattr(async_llm, "BURST_MAX_WAIT_S", 2.0)
     assert _batches_of_rounds([[0.0, 0.0, 0.03, 0.06]])[0] == ["r00", "r01", "r02", "r03"]
+
+
+class _HousekeepingBackend(FakeBackend):
+    """A backend with idle work to do once a batch has run (as the llama.cpp backend saves idle slots'
+    KV to its host prompt cache): ``units`` units of 1 ms, each noted with the batches run before it."""
+
+    def __init__(self, units: int) -> None:
+        super().__init__(slots=8, forward_sleep_s=0.0005)
+        self.units, self.done = units, []
+
+    def idle_work(self) -> bool:
+        if not self.batches or len(self.done) >= self.units:
+            return False
+        time.sleep(0.001)
+        self.done.append(len(self.batches))
+        return True
+
+
+def _note_gathering_work(monkeypatch) -> list[bool]:
+    """The ``gathering`` flag of every engine idle-work call that did a unit."""
+    calls: list[bool] = []
+    original = async_llm.AsyncLLM._idle_work
+
+    def noting(self, *, gathering: bool = False) -> bool:
+        did = original(self, gathering=gathering)
+        if did:
+            calls.append(gathering)
+        return did
+    monkeypatch.setattr(async_llm.AsyncLLM, "_idle_work", noting)
+    return calls
+
+
+def test_a_gathered_burst_spends_its_wait_on_idle_work_and_is_still_one_step(monkeypatch):
+    # Clients are owed (the main loop does no idle work for them), but while their follow-ups come in
+    # the engine waits anyway: the units run then, between round 0's last batch and round 1's first,
+    # and the round still starts in one step.
+    monkeypatch.setattr(async_llm, "BURST_EXPECT_QUIET_S", 0.2)
+    monkeypatch.setattr(async_llm, "BURST_MAX_WAIT_S", 2.0)
+    calls = _note_gathering_work(monkeypatch)
+    backend = _HousekeepingBackend(units=5)
+    batches = _batches_of_rounds([[0.0] * 4, [0.02 * i for i in range(4)]], backend)
+    round_1 = batches.index(_first_batch_of_round(batches, 1))
+    assert batches[round_1] == ["r10", "r11", "r12", "r13"]
+    assert backend.done == [round_1] * 5 and calls == [True] * 5
+
+
+def test_a_lone_request_does_not_wait_behind_idle_work(monkeypatch):
+    # One client: its return clears what it was owed, so the gather's window is 1 ms, with no idle work.
+    calls = _note_gathering_work(monkeypatch)
+    _batches_of_rounds([[0.0], [0.0], [0.0]], _HousekeepingBackend(units=5))
+    assert True not in calls
 
 
 def test_physical_cores_counts_smt_siblings_once(tmp_path):
