@@ -35,6 +35,9 @@ from cllm.model_path import resolve_model_path
 TIGHT = 1e-4  # measured 4e-7: float32 log-softmax (engine) against float64 (here)
 LLAMA_TOL = 0.1  # measured 0.0 for chunked / batched prompts on this build; README bounds rounding at ~0.07
 TORCH_TOL = 1e-4  # float32 torch backend against float32 transformers: kernel order only
+# llama.cpp embeddings (unit vectors) of one text in differently composed batches: measured over random
+# compositions of the 15 TRIPLES texts, max |difference| 0.0019 and min cosine 0.99997 (wave 10).
+EMBED_BATCH_TOL = 5e-3
 PROMPTS = [
     "The capital of France is Paris, and the capital of Germany is Berlin.",
     "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)",
@@ -134,7 +137,12 @@ def test_async_llm_parity(llm: cllm.LLM, references: list[np.ndarray]) -> None:
             await engine.shutdown()
 
     embeds, final = asyncio.run(main())
-    np.testing.assert_allclose(np.array([e[0].embedding for e in embeds]), embed(llm, texts), atol=1e-3)
+    # Concurrent calls are packed into backend batches as they arrive, which need not be LLM.embed's one
+    # batch of all six, and batch composition changes rounding (8-bit activations): same vectors within
+    # EMBED_BATCH_TOL, cosine >= 0.9999. (atol 1e-3 failed once in a fresh-clone CI run: 0.00108.)
+    got, want = np.array([e[0].embedding for e in embeds]), embed(llm, texts)
+    np.testing.assert_allclose(got, want, atol=EMBED_BATCH_TOL, rtol=0)
+    assert (got * want).sum(axis=1).min() >= 0.9999
     np.testing.assert_allclose(scored(final), references[0], atol=TIGHT, rtol=0)
 
 
