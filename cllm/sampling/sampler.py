@@ -250,8 +250,9 @@ def _draw_from_candidates(logits: np.ndarray, ids: np.ndarray, rows: Sequence[Sa
     u = np.zeros(n)
     u[ok] = [rows[i].rng.random() for i in np.flatnonzero(ok)]
     kept_mass = cum[np.arange(n), last]
-    picked = np.count_nonzero((cum < (u * kept_mass)[:, None]) & (columns <= last[:, None]), axis=1)
-    return np.where(ok, ids[np.arange(n), np.minimum(picked, last)], -1)
+    # cum never falls past `last` (flat after a min_p cut, rising past a nucleus), so the count stops there
+    picked = np.count_nonzero(cum < (u * kept_mass)[:, None], axis=1)
+    return np.where(ok, ids[np.arange(n), picked], -1)
 
 
 def _partition_sums(logits: np.ndarray, rows: np.ndarray, maxima: np.ndarray, temperatures: np.ndarray) -> np.ndarray:
