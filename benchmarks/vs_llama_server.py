@@ -43,6 +43,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import httpx
+
 from cllm.bench.server_process import BenchServer, free_port
 
 LLAMA_CPP_PYTHON = "0.3.36"  # the pinned llama-cpp-python (pyproject.toml); its sdist vendors llama.cpp
@@ -93,11 +95,13 @@ class Settings:
     """How both servers are configured."""
 
     model: str  # GGUF file
+    llama_model: str  # the file llama-server loads (--llama-server-model; default: model)
     threads: int  # inference threads for both servers
     ctx_per_slot: int  # KV cells per slot
     cllm_defaults: bool  # start cllm serve without thread / slot flags
     rounds: int  # alternating rounds
     build_flags: list[str] = field(default_factory=list)  # llama-server CMake options
+    cllm_weights: str | None = None  # the file cllm serve's llama.cpp ran (GET /v1/engine: llama_cpp.weights)
 
 
 def workloads(quick: bool) -> list[Workload]:
@@ -159,7 +163,7 @@ def start_server(name: str, settings: Settings, slots: int, binary: Path) -> Ben
     port = free_port()
     n_ctx = str(slots * settings.ctx_per_slot)
     if name == "llama-server":
-        cmd = [str(binary), "-m", settings.model, "--host", "127.0.0.1", "--port", str(port), "-t", str(settings.threads),
+        cmd = [str(binary), "-m", settings.llama_model, "--host", "127.0.0.1", "--port", str(port), "-t", str(settings.threads),
                "-np", str(slots), "-c", n_ctx, "--no-webui", "--log-disable"]
     else:
         cmd = [sys.executable, "-m", "cllm", "serve", "--model", settings.model, "--port", str(port),
@@ -201,6 +205,8 @@ def run_all(settings: Settings, loads: list[Workload], binary: Path) -> list[Poi
             for name in order:
                 server = start_server(name, settings, w.slots, binary)
                 try:
+                    if name == "cllm":
+                        settings.cllm_weights = httpx.get(server.url + "/v1/engine", timeout=30).json().get("weights")
                     for clients in w.clients:
                         p = bench_level(server, w, clients, round_no)
                         print(f"  ({w.name}) c={clients:<3d} round {round_no} {name:12s} {p.tok_s:7.1f} tok/s  "
@@ -294,6 +300,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="alternating rounds (the order flips each round)")
     parser.add_argument("--quick", action="store_true", help="fewer levels and requests, for iteration")
     parser.add_argument("--workloads", default="abc", help="which of a, b, c to run")
+    parser.add_argument("--llama-server-model", default=None,
+                        help="the file llama-server loads instead of --model: e.g. the converted copy cllm runs (GET /v1/engine "
+                             "'weights'), to compare the servers on equal weights")
     parser.add_argument("--cllm-defaults", action="store_true", help="start cllm serve without thread/slot/context flags")
     parser.add_argument("--out", type=Path, default=REPO / "notes", help="where the JSON and markdown go")
     parser.add_argument("--tag", default=None, help="file name tag (default: quick | full)")
@@ -305,7 +314,8 @@ def main() -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # the `finally`s stop any live server
     binary = build_llama_server()
     loads = [w for w in workloads(args.quick) if w.name in args.workloads]
-    settings = Settings(model=str(resolve_model_path(args.model)), threads=args.threads or default_threads(),
+    model = str(resolve_model_path(args.model))
+    settings = Settings(model=model, llama_model=args.llama_server_model or model, threads=args.threads or default_threads(),
                         ctx_per_slot=args.ctx_per_slot, cllm_defaults=args.cllm_defaults, rounds=args.rounds,
                         build_flags=CMAKE_FLAGS)
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
@@ -315,7 +325,8 @@ def main() -> None:
     command = " ".join(["python", "benchmarks/vs_llama_server.py", *sys.argv[1:]])
     header = (f"`{command}` — {started}, {os.cpu_count()} CPUs, threads={settings.threads}, "
               f"ctx/slot={settings.ctx_per_slot}, medians of {settings.rounds} alternating rounds, "
-              f"load average at end {os.getloadavg()[0]:.1f} (shared machine)")
+              f"load average at end {os.getloadavg()[0]:.1f} (shared machine); weights run: llama-server "
+              f"{Path(settings.llama_model).name}, cllm {Path(settings.cllm_weights or model).name}")
     text = markdown(rows, loads, header)
     print(text)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -39,6 +39,7 @@ class LlamaCppConfig(_Section):
     """llama.cpp-only knobs."""
 
     n_ubatch: int = Field(512, ge=1, le=1 << 16, description="physical micro-batch size inside llama_decode")
+    weights: Literal["auto", "file", "q8_0", "f16"] = Field("auto", description="which weights llama.cpp runs: file = the model file as it is (llama-server's numerics); q8_0 / f16 = a copy converted once by llama.cpp's quantizer and cached under ~/.cache/cllm/weights; auto = q8_0 for a Q4_1 file whose Q8_0 copy is at most 256 MiB, on an AVX2 CPU with no GPU layers (llama.cpp has no batched Q4_1 kernel on x86: measured 1.6-1.75x at 16-64 sequences, 0.98x at one), else file (cllm/backends/llama_cpp/weights.py)")
     flash_attn: bool | Literal["auto"] = Field("auto", description="llama.cpp's flash attention kernels: auto = on where the device supports them (every CPU; as llama-server's default), true = required, false = off. On CPU it is ~12 % faster at 16 sequences of 300 tokens, ~2 % at one")
     prefix_cache: bool = Field(True, description="keep finished sequences' KV in idle slots for prefix reuse")
     prompt_cache_mib: int | None = Field(None, ge=0, description="host memory (MiB) for the KV of sequences evicted from their slots, loaded back when a later prompt starts with them (llama-server's --cache-ram); the server's engine copies idle slots there while it has nothing to do, so an eviction seldom waits for the copy; null = 1/8 of the memory available at start-up, at most 8192 (llama-server's default); 0 = off")

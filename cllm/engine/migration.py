@@ -24,8 +24,9 @@ if TYPE_CHECKING:
 
 
 def model_identity(engine: LLMEngine) -> str:
-    """Name and size of the model file: two engines must run the same one to share KV."""
-    raw = getattr(engine.backend, "model_path", None) or engine.config.model.model
+    """Name and size of the weights file: two engines must run the same one to share KV."""
+    backend = engine.backend
+    raw = getattr(backend, "weights_path", None) or getattr(backend, "model_path", None) or engine.config.model.model
     if raw is None:
         return "embedded"  # model=None: the package's embedded model, the same file for every engine
     path = Path(raw)

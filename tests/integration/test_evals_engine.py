@@ -30,7 +30,6 @@ import pytest
 import torch
 
 import cllm
-from cllm.model_path import resolve_model_path
 
 TIGHT = 1e-4  # measured 4e-7: float32 log-softmax (engine) against float64 (here)
 LLAMA_TOL = 0.1  # measured 0.0 for chunked / batched prompts on this build; README bounds rounding at ~0.07
@@ -62,10 +61,11 @@ def log_softmax(x: np.ndarray) -> np.ndarray:
     return z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
 
 
-def teacher_forced_llama(ids: list[int]) -> np.ndarray:
+def teacher_forced_llama(ids: list[int], weights: Path) -> np.ndarray:
     """logprob of ids[i] given ids[:i], i >= 1, from llama-cpp-python's own Llama (one batch, float64 softmax),
-    with the attention kernels cllm's default (flash_attn: auto) picks on a CPU: flash attention."""
-    ref = llama_cpp.Llama(model_path=str(resolve_model_path(None)), n_ctx=1024, n_batch=512, logits_all=True,
+    with the attention kernels cllm's default (flash_attn: auto) picks on a CPU: flash attention, on the
+    weights file cllm runs (``weights``: the model file, or its converted copy under llama_cpp.weights)."""
+    ref = llama_cpp.Llama(model_path=str(weights), n_ctx=1024, n_batch=512, logits_all=True,
                           n_threads=1, flash_attn=True, verbose=False)
     try:
         ref.eval(ids)
@@ -90,7 +90,7 @@ def llm() -> Iterator[cllm.LLM]:
 
 @pytest.fixture(scope="module")
 def references(llm: cllm.LLM) -> list[np.ndarray]:
-    return [teacher_forced_llama(llm.engine.tokenize_prompt(p)) for p in PROMPTS]
+    return [teacher_forced_llama(llm.engine.tokenize_prompt(p), llm.engine.backend.weights_path) for p in PROMPTS]
 
 
 def test_prompt_logprobs_equal_teacher_forced_llama_cpp(llm: cllm.LLM, references: list[np.ndarray]) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import base64
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -37,7 +38,9 @@ def tokenize(srv: ServerProcess, text: str, add_special: bool = True) -> list[in
 def test_echo_logprobs_equal_teacher_forced(srv: ServerProcess) -> None:
     client = srv.openai()
     ids = tokenize(srv, PROMPT)
-    ref = teacher_forced_llama(ids)
+    with srv.http() as http:
+        weights = http.get("/v1/engine").json()["weights"]  # the file the server's llama.cpp runs
+    ref = teacher_forced_llama(ids, Path(weights))
     resp = client.completions.create(model="smol", prompt=PROMPT, echo=True, logprobs=2, max_tokens=0)
     choice = resp.choices[0]
     assert choice.text == PROMPT and choice.finish_reason == "length"

@@ -23,7 +23,7 @@ from tests.unit.fakes import run_all
 PROMPT = "The three primary colors are"
 LONG_PROMPT = ("Write a short story about a lighthouse keeper who finds a message in a bottle. "
                "The story should mention the sea, a storm, an old friend and a cat named Pepper.")
-GREEDY = cllm.SamplingParams(max_tokens=24, temperature=0)
+GREEDY = cllm.SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)  # always 24 tokens
 # Prompts are prefilled in 16-token chunks (so a hand-off can happen mid-prefill); both engines of a
 # pair, and the reference run, use the same chunks.
 SETTINGS = dict(n_threads=1, n_seq_max=2, n_ctx=1024, prefix_cache=False, max_num_batched_tokens=16)

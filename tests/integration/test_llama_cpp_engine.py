@@ -10,6 +10,7 @@ import cllm
 from cllm.backends.llama_cpp.backend import LlamaCppBackend
 
 GREEDY = cllm.SamplingParams(max_tokens=32, temperature=0)
+GREEDY_FULL = cllm.SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)  # always 32 tokens: "length"
 GREEDY_LP = cllm.SamplingParams(max_tokens=32, temperature=0, logprobs=2)
 # What llama.cpp guarantees across batch composition and prefix-cache hits (see README,
 # "Reproducibility"): the same logits up to float rounding, which the Q8 activation quantisation
@@ -30,7 +31,7 @@ def texts(outs):
 
 
 def test_generate_is_coherent(llm):
-    out = llm.generate(["The capital of France is"], GREEDY)[0]
+    out = llm.generate(["The capital of France is"], GREEDY_FULL)[0]
     assert "Paris" in out.outputs[0].text
     assert out.usage.prompt_tokens == 5 and out.usage.completion_tokens == 32
     assert out.outputs[0].finish_reason == "length"
@@ -71,7 +72,8 @@ def test_eleven_concurrent_requests_with_eight_slots_all_finish():
         engine = cllm.AsyncLLM(n_threads=2, n_seq_max=8)
         async def one(i):
             final = None
-            async for final in engine.generate(f"Request {i}: tell me a fact.", cllm.SamplingParams(max_tokens=16, temperature=0)):
+            params = cllm.SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)  # every one runs 16 tokens
+            async for final in engine.generate(f"Request {i}: tell me a fact.", params):
                 pass
             return final
         try:
@@ -156,7 +158,7 @@ def test_injected_decode_failure_fails_only_its_request():
     with cllm.LLM(backend=backend, config=cfg) as llm:
         engine = llm.engine
         for i, p in enumerate(PROMPTS[:3]):
-            engine.add_request(p, GREEDY, request_id=f"r{i}")
+            engine.add_request(p, GREEDY_FULL, request_id=f"r{i}")
         backend.poison = {"r1"}
         final = {}
         while engine.has_unfinished():
@@ -251,4 +253,4 @@ def test_bad_input_is_a_value_error(llm):
         llm.generate(["x"], cllm.SamplingParams(logit_bias={10**6: 1.0}))
     with pytest.raises(FileNotFoundError, match="missing.gguf"):
         cllm.LLM(model="/nonexistent/missing.gguf")
-    assert llm.generate(["The capital of France is"], GREEDY)[0].outputs[0].finish_reason == "length"
+    assert llm.generate(["The capital of France is"], GREEDY_FULL)[0].outputs[0].finish_reason == "length"

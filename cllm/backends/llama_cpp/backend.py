@@ -33,6 +33,7 @@ from cllm.backends.llama_cpp.sizing import available_memory, kv_shape, prompt_ca
 from cllm.backends.llama_cpp.slot_pool import SeqSlotPool, Slot
 from cllm.backends.llama_cpp.threads import default_n_threads
 from cllm.backends.llama_cpp.tokenizer import LlamaCppTokenizer
+from cllm.backends.llama_cpp.weights import prepare_weights
 from cllm.config import CllmConfig
 from cllm.model_path import resolve_model_path
 
@@ -66,7 +67,10 @@ class LlamaCppBackend(Backend):
             raise ValueError(f"model={str(path)!r}: the llama_cpp backend needs a .gguf file")
         self.n_gpu_layers = resolve_gpu_layers(lc.n_gpu_layers)
         self._n_threads = m.n_threads or default_n_threads()  # shared by the embeddings context
-        self._model = LlamaModelHandle(path=path, n_gpu_layers=self.n_gpu_layers)
+        # model_path names the model; weights_path is what llama.cpp runs (a converted copy: weights.py)
+        self.model_path = path
+        self.weights_path = prepare_weights(path, lc.weights, gpu_layers=self.n_gpu_layers, n_threads=self._n_threads)
+        self._model = LlamaModelHandle(path=self.weights_path, n_gpu_layers=self.n_gpu_layers)
         memory = available_memory()
         self._kv_bytes_per_token = self._model.kv_bytes_per_token(lc.type_k, lc.type_v)
         n_ctx, n_seq_max = kv_shape(m.n_ctx, m.n_seq_max, n_ctx_train=self._model.n_ctx_train,
@@ -98,7 +102,6 @@ class LlamaCppBackend(Backend):
             max_model_len=min(seq_cells, self._model.n_ctx_train or seq_cells),
             kv_tokens=self._ctx.n_ctx,
         )
-        self.model_path = path
         self._embedding_config = config.embeddings
         self._embedder: LlamaEmbedder | None = None  # its own context, made on first embed()
         self._queried_tokens = 0
