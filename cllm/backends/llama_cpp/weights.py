@@ -14,9 +14,10 @@ compute, bounds one sequence. Hence ``auto`` converts only small models
 
 What it costs in accuracy: every weight w of a Q4_1 block becomes the Q8_0 code of
 w, so |w' - w| <= max|block| * (1/254 + 2**-11) (Q8_0's rounding plus its float16
-scale's). Teacher-forced over 1,000 tokens of README text, against the file's exact
-weights in float32: top-1 agreement 94.5 % (Q4_1 as llama.cpp runs it, with 8-bit
-activations: 95.5 %), mean KL 5.1e-3 (3.7e-3). ``file`` keeps llama-server's numerics.
+scale's). Teacher-forced over 1,000 tokens of README text against the file's exact
+weights in float32 (benchmarks/weights_accuracy.py): top-1 agreement 94.5-95.4 % (the
+file as llama.cpp runs it, with 8-bit activations: 95.5-96.2 %), mean KL 5.1-5.3e-3
+(3.7e-3). ``file`` keeps llama-server's numerics.
 
 The copy is written once per (file, size, mtime, target, llama-cpp-python version)
 under the cache directory, by llama.cpp's own quantizer, and reused after.
@@ -35,7 +36,7 @@ from pathlib import Path
 
 import llama_cpp as C
 
-from cllm.backends.llama_cpp.native import LlamaModelHandle
+from cllm.backends.llama_cpp.native import LlamaModelHandle, _init_llama_backend
 from cllm.backends.llama_cpp.sizing import available_memory
 
 log = logging.getLogger("cllm.llama_cpp")
@@ -115,6 +116,7 @@ def converted_path(path: Path, choice: str) -> Path:
 
 def convert(path: Path, out: Path, target: Target, *, estimate: int, n_threads: int) -> None:
     """llama.cpp's quantizer, source -> out (written beside it, then renamed: a reader never sees half a file)."""
+    _init_llama_backend()  # llama.cpp's log goes to our logger, not stderr
     out.parent.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(out.parent).free
     if free < estimate + DISK_MARGIN_BYTES:
