@@ -5,8 +5,8 @@ every row of a batch runs the vector dot product again — while Q8_0 goes throu
 llamafile's tiled GEMM. On the 2-core AVX2 EPYC (llama-batched-bench, SmolLM2-135M,
 32-token prompts, 2 threads) the same model as Q8_0 (re-encoded from the Q4_1 file)
 against the Q4_1 file: prompt processing 2.1x, decoding 16 sequences 1.64x, 64
-sequences 1.75x, one sequence 0.98x (llama-bench tg128: 98.9 vs 100.4-100.9 tok/s),
-where the one-client server run gains on TTFT what it loses per token.
+sequences 1.75x, one sequence 0.94-0.98x (llama-bench tg128, two sittings: Q8_0 streams
+1.5x the bytes), which a one-client server run gains back on TTFT (prefill 2x).
 A 1.2B-parameter Q4_1 model (random weights) as Q8_0: 16 sequences 1.48x, but one
 sequence 0.88x — there a step streams 1.25 GB of weights and memory bandwidth, not
 compute, bounds one sequence. Hence ``auto`` converts only small models
