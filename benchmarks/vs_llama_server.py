@@ -46,9 +46,10 @@ from pathlib import Path
 import httpx
 
 from cllm.bench.server_process import BenchServer, free_port
+from cllm.model_path import cache_root
 
 LLAMA_CPP_PYTHON = "0.3.36"  # the pinned llama-cpp-python (pyproject.toml); its sdist vendors llama.cpp
-CACHE = Path(os.environ.get("CLLM_CACHE_DIR", Path.home() / ".cache" / "cllm")) / f"llama-server-{LLAMA_CPP_PYTHON}"
+CACHE = cache_root() / f"llama-server-{LLAMA_CPP_PYTHON}"
 # llama-cpp-python's pip build (scikit-build-core, no CMAKE_ARGS) configures llama.cpp with its defaults:
 # Release, GGML_NATIVE=ON, GGML_OPENMP=ON, BUILD_SHARED_LIBS=ON. The other flags only drop what a
 # headless benchmark build cannot or need not fetch (curl/openssl, the web UI, tests, examples).

@@ -1,6 +1,7 @@
 """Where the model file is: an explicit path, or the embedded default."""
 from __future__ import annotations
 
+import os
 from importlib import metadata
 from pathlib import Path
 
@@ -36,3 +37,12 @@ def resolve_model_path(model: str | None) -> Path:
     if not path.exists():
         raise FileNotFoundError(f"model file {str(path)!r} does not exist; pass a GGUF file or a Hugging Face model directory")
     return path
+
+
+def cache_root() -> Path:
+    """Where cllm keeps files it makes once per machine (converted weights, the comparator's llama-server
+    build): $CLLM_CACHE_DIR, else $XDG_CACHE_HOME/cllm, else ~/.cache/cllm."""
+    explicit = os.environ.get("CLLM_CACHE_DIR")
+    if explicit:
+        return Path(explicit)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "cllm"

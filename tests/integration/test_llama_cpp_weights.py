@@ -44,8 +44,8 @@ def teacher_forced(path: Path, ids: list[int]) -> np.ndarray:
 
 @pytest.fixture()
 def cache_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    return tmp_path / "cllm" / "weights"
+    monkeypatch.setenv("CLLM_CACHE_DIR", str(tmp_path))
+    return tmp_path / "weights"
 
 
 @pytest.mark.parametrize("target", ["q8_0", "f16"])
@@ -100,7 +100,7 @@ def test_an_impossible_copy_is_an_error_when_asked_for_and_the_file_under_auto(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     blocker = tmp_path / "not-a-directory"
     blocker.write_text("")
-    monkeypatch.setenv("XDG_CACHE_HOME", str(blocker))  # the cache directory cannot be made
+    monkeypatch.setenv("CLLM_CACHE_DIR", str(blocker))  # the cache directory cannot be made
     source = resolve_model_path(None)
     with pytest.raises(ValueError, match="llama_cpp.weights='q8_0': could not convert"):
         prepare_weights(source, "q8_0", gpu_layers=0, n_threads=1)

@@ -33,11 +33,11 @@ def test_the_estimate_bounds_a_q4_1_files_copy(tmp_path: Path) -> None:
 
 
 def test_the_copy_is_keyed_by_the_files_content_stamp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setenv("CLLM_CACHE_DIR", str(tmp_path / "cache"))
     f = tmp_path / "m.gguf"
     f.write_bytes(b"x")
     first = converted_path(f, "q8_0")
-    assert first.parent == tmp_path / "cache" / "cllm" / "weights" and first.name.startswith("m.q8_0.")
+    assert first.parent == tmp_path / "cache" / "weights" and first.name.startswith("m.q8_0.")
     assert converted_path(f, "f16") != first
     os.utime(f, ns=(1, 1))  # the file changed (mtime): a new copy
     assert converted_path(f, "q8_0") != first
@@ -54,3 +54,16 @@ def test_avx2_is_read_from_the_cpu_flags(tmp_path: Path, monkeypatch: pytest.Mon
     monkeypatch.setattr("platform.machine", lambda: "aarch64")
     info.write_text("flags\t\t: avx2\n")
     assert not cpu_has_avx2(info)
+
+
+def test_the_cache_root_is_cllm_cache_dir_else_xdg_else_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from cllm.model_path import cache_root
+
+    monkeypatch.delenv("CLLM_CACHE_DIR", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    assert cache_root() == tmp_path / "home" / ".cache" / "cllm"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cache_root() == tmp_path / "xdg" / "cllm"
+    monkeypatch.setenv("CLLM_CACHE_DIR", str(tmp_path / "mine"))
+    assert cache_root() == tmp_path / "mine"

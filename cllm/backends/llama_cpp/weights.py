@@ -20,7 +20,8 @@ file as llama.cpp runs it, with 8-bit activations: 95.5-96.2 %), mean KL 5.1-5.3
 (3.7e-3). ``file`` keeps llama-server's numerics.
 
 The copy is written once per (file, size, mtime, target, llama-cpp-python version)
-under the cache directory, by llama.cpp's own quantizer, and reused after.
+under cache_root() / "weights" (~/.cache/cllm/weights), by llama.cpp's own quantizer, and
+reused after.
 """
 from __future__ import annotations
 
@@ -38,6 +39,7 @@ import llama_cpp as C
 
 from cllm.backends.llama_cpp.native import LlamaModelHandle, _init_llama_backend
 from cllm.backends.llama_cpp.sizing import available_memory
+from cllm.model_path import cache_root
 
 log = logging.getLogger("cllm.llama_cpp")
 
@@ -62,11 +64,6 @@ TARGETS = {
 AUTO_MAX_BYTES = 256 << 20
 AUTO_MEMORY_SHARE = 0.25
 DISK_MARGIN_BYTES = 64 << 20
-
-
-def cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "cllm" / "weights"
 
 
 def cpu_has_avx2(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
@@ -111,7 +108,7 @@ def converted_path(path: Path, choice: str) -> Path:
     st = path.stat()
     key = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{choice}|{C.__version__}"
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
-    return cache_dir() / f"{path.stem}.{choice}.{digest}.gguf"
+    return cache_root() / "weights" / f"{path.stem}.{choice}.{digest}.gguf"
 
 
 def convert(path: Path, out: Path, target: Target, *, estimate: int, n_threads: int) -> None:
