@@ -161,6 +161,7 @@ class ClusterConfig(_Section):
     replicas: int = Field(1, ge=1, le=1024, description="engine replicas behind one endpoint; more than 1 (or pd) serves through Ray Serve (extra cllm[ray])")
     pd: str | None = Field(None, description="prefill/decode disaggregation as 'prefill=P,decode=D': prompts are prefilled on P replicas, their KV handed to D decode replicas; None = every replica does both")
     handoff_chunk_bytes: int = Field(1 << 20, ge=1024, le=1 << 30, description="KV hand-off chunk size in bytes (a transfer resumes from the last acknowledged chunk)")
+    handoff_ttl_s: float = Field(300.0, gt=0, description="a hand-off's KV chunks that no replica took (its client left, its receiver died) are dropped after this many seconds")
     route_block_tokens: int = Field(16, ge=1, le=4096, description="prefix-aware routing hashes prompts in blocks of this many tokens; a request goes to the replica holding its longest hashed prefix")
     route_max_imbalance: int = Field(4, ge=0, le=1 << 20, description="prefix affinity is ignored when the cached replica has more than this many requests beyond the least-loaded one")
     max_ongoing_requests: int = Field(64, ge=1, le=1 << 20, description="requests one replica takes at once (Ray Serve max_ongoing_requests); the rest queue at the router")
