@@ -121,6 +121,9 @@ class ServerConfig(_Section):
     sse_keepalive_s: float = Field(10.0, gt=0, description="while a stream waits (queued, long prefill), send an SSE comment line this often so proxies with read timeouts keep it open")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log verbosity")
     shutdown_grace_s: float = Field(10.0, ge=0, description="on SIGTERM, how long in-flight requests may finish before being aborted")
+    responses_store_size: int = Field(1024, ge=0, le=1 << 20, description="most past /v1/responses results kept in memory (store: true) for previous_response_id and GET/DELETE /v1/responses/{id}; the least recently used goes first; 0 = store nothing")
+    responses_store_mib: int = Field(256, ge=1, le=1 << 20, description="most memory (MiB of JSON) the stored responses may take; the least recently used go first")
+    responses_store_ttl_s: float = Field(3600.0, gt=0, description="a stored response is forgotten this many seconds after it was stored")
 
     @field_validator("served_model_name", mode="before")
     @classmethod
@@ -153,6 +156,7 @@ class StructuredConfig(_Section):
     grammar_cache_size: int = Field(128, ge=1, le=1 << 16, description="compiled grammars (JSON schemas, GBNF, regex, choice lists) kept, least recently used dropped first")
     max_parallel_tool_calls: int = Field(4, ge=1, le=128, description="most calls in one forced reply (tool_choice required with parallel_tool_calls); bounds a small model that would repeat calls until max_tokens")
     tool_call_parser: Literal["auto", "hermes", "llama3_json", "mistral", "generic"] = Field("auto", description="how tool calls are read out of the model's text: auto = from the chat template (<tool_call> -> hermes, [TOOL_CALLS] -> mistral, <|python_tag|>/ipython -> llama3_json; a template that does not render tools -> generic, with the tools described in the system message)")
+    reasoning_parser: Literal["auto", "none", "deepseek_r1", "qwen3", "glm45", "mistral", "seed_oss", "kimi"] = Field("auto", description="how a reasoning model's thinking is split from its answer (reasoning_content in chat, reasoning items in Responses, thinking blocks in Messages): auto = from the chat template (</think> -> deepseek_r1, [THINK] -> mistral, <seed:think> -> seed_oss, ◁think▷ -> kimi; none of them -> none); none = off (thinking stays in the content); deepseek_r1 / qwen3 / glm45 = <think>…</think>")
 
 
 class ClusterConfig(_Section):
