@@ -4,12 +4,17 @@ Each parser knows where a call starts in the text (``call_start``, for streaming
 it is streamed, the call itself is held back and parsed whole) and how to parse it. A text that
 does not parse as a call is plain content: with ``tool_choice: auto`` a small model often writes
 almost-calls, and those must come back as text, never as an error.
+
+A call must name one of the request's declared tools (``names``): a reply that is plain JSON data
+(``{"name": "Alice", "age": 30}``) is the answer, not a call of an undeclared function "Alice"
+(issue 27 item 3). A call object holds only a name and its arguments.
 """
 from __future__ import annotations
 
 import json
 import re
 from abc import ABC, abstractmethod
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,13 +30,17 @@ class ParsedOutput:
 
 
 class ToolParser(ABC):
-    """One tool-call format."""
+    """One tool-call format. ``names``: the declared tools a call may name (None: any name, for
+    reading a format without a request)."""
 
     name: str = ""
     # Strings that open a call anywhere in the text.
     markers: tuple[str, ...] = ()
     # The call may also be bare JSON at the very start of the reply.
     json_at_start: bool = False
+
+    def __init__(self, names: Iterable[str] | None = None) -> None:
+        self.names = frozenset(names) if names is not None else None
 
     def call_start(self, text: str) -> int | None:
         """Index where a (possibly still incomplete) call begins, or None."""
@@ -59,7 +68,7 @@ class ToolParser(ABC):
         if start is None:
             return ParsedOutput(text or None)
         calls = self._calls(text[start:])
-        if not calls:
+        if not calls or (self.names is not None and any(c.name not in self.names for c in calls)):
             return ParsedOutput(text or None)
         content = text[:start].strip()
         return ParsedOutput(content or None, calls)
@@ -130,12 +139,15 @@ class GenericParser(ToolParser):
     json_at_start = True
 
     def _calls(self, region: str) -> list[ToolCall]:
+        # Only the wrapper makes a call: a bare object or list at the start is the reply's data.
         obj = _json(region.strip())
-        if isinstance(obj, dict) and "tool_calls" in obj:
+        if not isinstance(obj, dict) or len(obj) != 1:
+            return []
+        if "tool_calls" in obj:
             return _call_list(obj["tool_calls"])
-        if isinstance(obj, dict) and "tool_call" in obj:
+        if "tool_call" in obj:  # llama.cpp's generic format names a single call so
             return _call_list([obj["tool_call"]])
-        return _call_list(obj if isinstance(obj, list) else [obj])
+        return []
 
 
 PARSERS: dict[str, type[ToolParser]] = {
@@ -162,11 +174,19 @@ def _json(text: str) -> Any:
         return None
 
 
+# The keys a call object may have: anything else means the JSON is data, not a call.
+_CALL_KEYS = frozenset({"name", "arguments", "parameters", "type", "id"})
+
+
 def _named_call(obj: Any) -> ToolCall | None:
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
         return None
+    if not obj.keys() <= _CALL_KEYS or obj.get("type", "function") != "function":
+        return None
     args = obj.get("arguments", obj.get("parameters", {}))
-    if not isinstance(args, (dict, str)):
+    if isinstance(args, str):  # some models write the arguments as JSON text
+        args = _json(args)
+    if not isinstance(args, dict):  # arguments are an object (the schema of every tool says so)
         return None
     return make_call(obj["name"], args)
 

@@ -71,14 +71,24 @@ class ToolPlan:
         """The reply as content and calls (no calls unless tools are active)."""
         if not self.active:
             return ParsedOutput(text)
-        if self.choice.forced:
-            parsed = PARSERS["generic"]().parse(text)
-            return parsed
-        return self.parser.parse(text)
+        return self.stream_parser().parse(text)
+
+    def missing_call(self, text: str, finish_reason: str | None) -> str | None:
+        """Why a forced reply (tool_choice required / named) holds no call, or None when it holds one
+        or no call was forced. The grammar makes every reply it completes a call, so only a cut can
+        leave one out: max_tokens (finish "length"), or the request's own stop strings / stop_token_ids."""
+        if not (self.active and self.choice.forced) or self.parse(text).tool_calls:
+            return None
+        if finish_reason == "length":
+            return ("the forced tool call was cut off by max_tokens before it was complete: raise max_tokens "
+                    "(or bound the tool's parameters: maxLength, maxItems, enum)")
+        return ("the forced tool call was cut off before it was complete by the request's stop strings or "
+                "stop_token_ids: leave them out with tool_choice required or a named function")
 
     def stream_parser(self) -> ToolParser:
-        """The parser that decides what streams as content: a forced reply is all call."""
-        return PARSERS["generic"]() if self.choice.forced else self.parser
+        """The parser that reads the reply (and decides what streams as content): a forced reply
+        is all call, in the generic shape its schema constrains it to."""
+        return PARSERS["generic"](self.parser.names) if self.choice.forced else self.parser
 
 
 def plan_tools(tools: Any, tool_choice: Any, parallel_tool_calls: bool | None, template_source: str | None,
@@ -93,7 +103,8 @@ def plan_tools(tools: Any, tool_choice: Any, parallel_tool_calls: bool | None, t
     if name not in PARSERS:
         raise ValueError(f"invalid tool_call_parser={name!r}: must be auto or one of {', '.join(PARSERS)}")
     native = name != "generic" and _renders_tools(template_source)
-    return ToolPlan(functions, choice, parallel_tool_calls is not False, PARSERS[name](), native, max_parallel_calls)
+    parser = PARSERS[name](t.name for t in functions)  # a call must name a declared tool
+    return ToolPlan(functions, choice, parallel_tool_calls is not False, parser, native, max_parallel_calls)
 
 
 def _renders_tools(source: str | None) -> bool:

@@ -93,6 +93,13 @@ def _tool(i: int, entry: Any) -> ToolFunction:
         params = dict(_EMPTY_PARAMETERS)
     if not isinstance(params, dict):
         raise ValueError(f"invalid tools[{i}].function.parameters={params!r}: must be a JSON Schema object")
+    if params.get("type", "object") != "object":
+        raise ValueError(f"invalid tools[{i}].function.parameters={params!r}: must be a JSON Schema of type "
+                         "\"object\" (arguments are a JSON object), as on OpenAI")
+    if "type" not in params:
+        # `{}` (any JSON) would let a forced call's arguments be a number or a list, which is no
+        # call: the arguments are an object (issue 27 item 3).
+        params = {"type": "object", **params}
     desc = fn.get("description")
     if desc is not None and not isinstance(desc, str):
         raise ValueError(f"invalid tools[{i}].function.description={desc!r}: must be a string")

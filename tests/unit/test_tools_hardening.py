@@ -1,0 +1,143 @@
+"""Issue 27 item 3: plain JSON is no tool call; a forced call always parses as one.
+
+Without a model: the parsers, the plan and the streamed path must agree that a reply naming an
+undeclared function, or bare JSON data, is content; and a reply the forced-call grammar accepts
+(random allowed tokens, as a random-weight model would pick them) always reads back as a call.
+"""
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from cllm.tools import plan_tools
+from cllm.tools.parsers import GenericParser, Llama3JsonParser, MistralParser
+from cllm.tools.stream import ToolCallStream
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+NOTE = {"type": "function", "function": {
+    "name": "add_note", "parameters": {"type": "object", "properties": {
+        "text": {"type": "string"}, "tags": {"type": "array", "items": {"type": "string"}},
+        "priority": {"type": "integer"}, "score": {"type": "number"}}, "required": ["text"]}}}
+NO_TOOLS_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+LLAMA3_TEMPLATE = "{% for m in messages %}{% if m.role == 'ipython' %}x{% endif %}{{ m.content }}{% endfor %}"
+MISTRAL_TEMPLATE = "{{ '[TOOL_CALLS]' }}{% for m in messages %}{{ m.content }}{% endfor %}"
+
+PLAIN_JSON = ['{"name": "Alice", "age": 30}', ' {"name": "get_weather", "city": "Paris", "age": 3}',
+              '[{"name": "Alice", "arguments": {}}]', '{"name": "Alice", "arguments": {"x": 1}}']
+
+
+def _stream(plan, text: str, step: int) -> tuple[str, list]:
+    stream = ToolCallStream(plan)
+    content = "".join(stream.feed(text[i:i + step]) for i in range(0, len(text), step))
+    rest, calls = stream.finish()
+    return content + rest, calls
+
+
+@pytest.mark.parametrize("template", [NO_TOOLS_TEMPLATE, LLAMA3_TEMPLATE, MISTRAL_TEMPLATE])
+@pytest.mark.parametrize("text", PLAIN_JSON)
+@pytest.mark.parametrize("step", [1, 5, 1000])
+def test_plain_json_reply_is_content_not_a_call(template, text, step):
+    plan = plan_tools([WEATHER], "auto", None, template)
+    parsed = plan.parse(text)
+    assert parsed.tool_calls == [] and parsed.content == text
+    assert _stream(plan, text, step) == (text, [])  # the streamed path agrees
+
+
+def test_generic_needs_its_wrapper_and_a_declared_name():
+    assert GenericParser().parse('{"name": "get_weather", "arguments": {"city": "Oslo"}}').tool_calls == []
+    assert GenericParser().parse('[{"name": "get_weather", "arguments": {}}]').tool_calls == []
+    wrapped = '{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Oslo"}}]}'
+    assert [c.name for c in GenericParser({"get_weather"}).parse(wrapped).tool_calls] == ["get_weather"]
+    assert GenericParser({"get_time"}).parse(wrapped).tool_calls == []  # undeclared: content
+    plan = plan_tools([WEATHER], "auto", None, NO_TOOLS_TEMPLATE)
+    assert [c.name for c in plan.parse(wrapped).tool_calls] == ["get_weather"]
+    assert _stream(plan, wrapped, 3)[1][0].name == "get_weather"
+
+
+def test_llama3_and_mistral_calls_of_declared_tools_still_parse():
+    llama = plan_tools([WEATHER], "auto", None, LLAMA3_TEMPLATE)
+    assert llama.parser.name == "llama3_json"
+    call = llama.parse('{"name": "get_weather", "parameters": {"city": "Lima"}}').tool_calls
+    assert [(c.name, json.loads(c.arguments)) for c in call] == [("get_weather", {"city": "Lima"})]
+    mistral = plan_tools([WEATHER], "auto", None, MISTRAL_TEMPLATE)
+    assert mistral.parse('[{"name": "get_weather", "arguments": {"city": "Oslo"}}]').tool_calls[0].name == "get_weather"
+    # An undeclared name anywhere in the list makes the whole reply content.
+    text = '[{"name": "get_weather", "arguments": {}}, {"name": "rm_rf", "arguments": {}}]'
+    assert mistral.parse(text).tool_calls == [] and mistral.parse(text).content == text
+    assert Llama3JsonParser({"x"}).parse('{"name": "get_weather", "parameters": {}}').tool_calls == []
+    assert MistralParser().parse('[{"name": "get_weather", "arguments": {}}]').tool_calls  # no request: any name
+
+
+def test_tool_parameters_are_an_object_schema():
+    with pytest.raises(ValueError, match=r"tools\[0\].function.parameters.*type \"object\""):
+        plan_tools([{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}], "auto", None,
+                   NO_TOOLS_TEMPLATE)
+    plan = plan_tools([{"type": "function", "function": {"name": "f", "parameters": {}}}], "required", None, NO_TOOLS_TEMPLATE)
+    assert plan.forced_schema()["properties"]["tool_calls"]["items"]["properties"]["arguments"] == {"type": "object"}
+
+
+def test_a_forced_reply_without_a_call_says_why():
+    plan = plan_tools([WEATHER], "required", None, NO_TOOLS_TEMPLATE)
+    whole = '{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Oslo"}}]}'
+    assert plan.missing_call(whole, "stop") is None
+    assert "max_tokens" in plan.missing_call(whole[:30], "length")
+    assert "stop strings" in plan.missing_call(whole[:30], "stop")
+    assert plan_tools([WEATHER], "auto", None, NO_TOOLS_TEMPLATE).missing_call("hello", "stop") is None
+
+
+class _ByteVocab:
+    """Every byte is a token (id = byte value), 256 is EOS: any text the grammar allows can be written."""
+
+    vocab_size = 257
+    eos_token_ids = frozenset({256})
+
+    def token_bytes(self, token_id: int) -> bytes:
+        return b"" if token_id == 256 else bytes([token_id])
+
+
+_CLOSERS = [ord(c) for c in '"]},0123456789']
+
+
+def _random_completions(compiled, count: int, max_tokens: int, seed: int) -> list[str]:
+    """Texts the grammar completes, each token drawn from those it allows (as a random-weight model
+    under the mask picks them; closing characters favoured so that strings end), stopped at EOS."""
+    import numpy as np
+    import xgrammar as xgr
+
+    rng = random.Random(seed)
+    texts = []
+    for _ in range(count):
+        matcher = xgr.GrammarMatcher(compiled)
+        bitmask = xgr.allocate_token_bitmask(1, 257).numpy()
+        out = b""
+        for _ in range(max_tokens):
+            matcher.fill_next_token_bitmask(bitmask)
+            allowed = np.flatnonzero(np.unpackbits(bitmask[0].view(np.uint8), bitorder="little")[:257]).tolist()
+            closers = [t for t in allowed if t in _CLOSERS]
+            token = rng.choice(closers if closers and rng.random() < 0.3 else allowed)
+            assert matcher.accept_token(token)
+            if token == 256:
+                texts.append(out.decode("utf-8", errors="replace"))
+                break
+            out += bytes([token])
+    return texts
+
+
+def test_every_reply_the_forced_grammar_completes_parses_as_a_call():
+    pytest.importorskip("xgrammar")
+    from cllm.sampling.params import SamplingParams
+    from cllm.structured.cache import GrammarCache
+
+    anything = {"type": "function", "function": {"name": "anything", "parameters": {}}}
+    plan = plan_tools([WEATHER, NOTE, anything], "required", None, NO_TOOLS_TEMPLATE)
+    compiled = GrammarCache(_ByteVocab(), 4).get(SamplingParams(json_schema=plan.forced_schema()))
+    texts = _random_completions(compiled, count=80, max_tokens=300, seed=7)
+    assert len(texts) >= 20  # enough complete replies to mean something
+    for text in texts:
+        calls = plan.parse(text).tool_calls
+        assert calls and all(c.name in ("get_weather", "add_note", "anything") for c in calls), repr(text)
+        assert plan.missing_call(text, "stop") is None
