@@ -13,6 +13,7 @@ from fastapi.middleware.cors import CORSMiddleware
 
 from cllm.config import CllmConfig
 from cllm.server.access_log import AccessLogMiddleware, AccessRecord
+from cllm.server.anthropic_errors import AnthropicErrorMiddleware
 from cllm.server.auth import ApiKeyMiddleware
 from cllm.server.body_limit import BodyLimitMiddleware
 from cllm.server.errors import install_error_handlers
@@ -68,6 +69,8 @@ def create_app(config: CllmConfig, engine: Any | None = None) -> FastAPI:
             allow_methods=["*"],
             allow_headers=["*"],
         )
+    # Outside everything that can refuse a request, so every error on /v1/messages is Anthropic-shaped.
+    app.add_middleware(AnthropicErrorMiddleware)
     app.add_middleware(AccessLogMiddleware, on_done=count_response)
     return app
 

@@ -16,7 +16,8 @@ PUBLIC_PATHS = frozenset({"/health"})
 
 
 class ApiKeyMiddleware:
-    """Pure ASGI middleware refusing requests without ``Authorization: Bearer <api_key>`` (401)."""
+    """Pure ASGI middleware refusing requests without ``Authorization: Bearer <api_key>`` or
+    ``x-api-key: <api_key>`` (401)."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
@@ -28,10 +29,13 @@ class ApiKeyMiddleware:
             return
         headers = dict(scope.get("headers") or [])
         scheme, _, token = headers.get(b"authorization", b"").decode("latin-1").partition(" ")
+        # Anthropic's SDKs (and Claude Code) send the key as `x-api-key`; either header will do.
+        x_api_key = headers.get(b"x-api-key")
         # compare_digest: the time taken must not reveal how much of the key matched.
-        if scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode("latin-1"), self.expected):
+        if (scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode("latin-1"), self.expected)) or (
+                x_api_key is not None and hmac.compare_digest(x_api_key.strip(), self.expected)):
             await self.app(scope, receive, send)
             return
-        error = APIError(401, "invalid or missing API key: send `Authorization: Bearer <key>`",
+        error = APIError(401, "invalid or missing API key: send `Authorization: Bearer <key>` (or `x-api-key: <key>`)",
                          code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
         await error.response()(scope, receive, send)

@@ -1,21 +1,31 @@
-"""POST /v1/chat/completions: messages rendered with the model's chat template, n choices."""
+"""POST /v1/chat/completions, and the chat path every chat-shaped route shares.
+
+The Responses and Messages routes translate their requests into a ``ChatCompletionRequest`` and run
+them through the same steps as chat completions: ``prepare_chat`` (model check, tools, output
+constraint, template rendering with role-injection safety, sampling params, reasoning format),
+``run_chat`` (client quota, GenerationStream: backpressure, disconnect abort, stop handling) and
+``ReplyStream`` (reasoning split, tool calls). Only the wire format differs per route.
+"""
 from __future__ import annotations
 
+import functools
 import logging
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
+from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import Response
 
 from cllm.config import StructuredConfig
-from cllm.engine.chat_request import attach_tool_calls
 from cllm.outputs import RequestOutput
+from cllm.sampling.params import SamplingParams
 from cllm.server.access_log import access_record
-from cllm.server.errors import bad_request, param_from_message, reject_unsupported
+from cllm.server.errors import APIError, bad_request, param_from_message, reject_unsupported
 from cllm.server.generation import GenerationStream
 from cllm.server.logprobs import chat_logprobs
 from cllm.server.protocol import (
@@ -33,17 +43,19 @@ from cllm.server.protocol import (
     ToolCallModel,
     UsageInfo,
 )
+from cllm.server.reasoning import ReasoningFormat, resolve_format
+from cllm.server.reply import NORMAL_FINISH, ReplyFormat, ReplyStream, read_reply
 from cllm.server.sampling import build_sampling_params
-from cllm.server.serving import ResponseMeta, respond, total_usage
-from cllm.server.state import get_state
+from cllm.server.serving import ResponseMeta, SSEFraming, StreamFormatter, respond, total_usage
+from cllm.server.state import LoadedModel, get_state
 from cllm.server.streaming import sse_model
 from cllm.server.tokens import default_max_tokens
 from cllm.structured.response_format import response_format_constraint
 from cllm.tools import ToolCall, ToolPlan, plan_tools
-from cllm.tools.stream import ToolCallStream
 
 log = logging.getLogger("cllm.server")
-_NORMAL_FINISH = ("stop", "length")
+# Tokens of the prompt's end decoded to see whether the template opened the reasoning block.
+_PROMPT_TAIL_TOKENS = 8
 
 
 def render_chat(engine: Any, messages: list[ChatMessage], add_generation_prompt: bool = True,
@@ -78,17 +90,112 @@ def render_chat(engine: Any, messages: list[ChatMessage], add_generation_prompt:
         raise bad_request(f"invalid messages for this model's chat template: {exc}", param="messages") from None
 
 
-class ChatFormatter:
-    """SSE chunks for /v1/chat/completions: a role chunk per choice, then content deltas; with
-    tools, text that may be a tool call is held back and sent as ``delta.tool_calls`` fragments."""
+# ---- the shared chat path ------------------------------------------------------------------
 
-    def __init__(self, meta: ResponseMeta, n: int, logprobs: bool, plan: ToolPlan | None = None) -> None:
+
+@dataclass(slots=True)
+class ChatJob:
+    """A chat-shaped request, validated and rendered, ready to run."""
+
+    model: LoadedModel  # the served model
+    prompt: list[int]  # rendered, tokenised conversation
+    params: SamplingParams  # sampling, limits and output constraint
+    reply: ReplyFormat  # how replies are read (tools, reasoning)
+    meta: ResponseMeta  # id / created / model of every body and chunk
+
+
+@functools.lru_cache(maxsize=16)
+def _reasoning_format(setting: str, template: str | None) -> ReasoningFormat | None:
+    return resolve_format(setting, template)
+
+
+def _rename_param(exc: APIError, params: dict[str, str]) -> APIError:
+    """The error with the request field spelled as the client's protocol spells it."""
+    if exc.param is not None:
+        head, dot, rest = exc.param.partition(".")
+        if head in params:
+            exc.param = params[head] + dot + rest
+    return exc
+
+
+async def prepare_chat(body: ChatCompletionRequest, request: Request, *, id_prefix: str = "chatcmpl-",
+                       params_renamed: dict[str, str] | None = None) -> ChatJob:
+    """Validate, render and resolve one chat request (APIError 4xx naming the field).
+    ``params_renamed`` maps chat field names onto the calling protocol's (``max_tokens`` ->
+    ``max_output_tokens`` …) in error bodies."""
+    try:
+        return await _prepare_chat(body, request, id_prefix)
+    except APIError as exc:
+        raise _rename_param(exc, params_renamed or {}) from None
+
+
+async def _prepare_chat(body: ChatCompletionRequest, request: Request, id_prefix: str) -> ChatJob:
+    state = get_state(request)
+    model = state.require_ready()
+    state.check_model(body.model)
+    reject_unsupported(body)
+    settings = state.config.structured
+    plan = plan_request(body, model.engine, settings)
+    constraint = _constraint(body, plan)
+    # Jinja rendering and tokenising a large conversation take a while: off the event loop, so they do
+    # not stall every other stream (issue 9 defect 17).
+    prompt = await run_in_threadpool(render_chat, model.engine, body.messages, body.add_generation_prompt is not False, plan)
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    if max_tokens is None:
+        max_tokens = default_max_tokens(
+            model.engine.tokenizer, prompt, max_model_len=model.max_model_len, limit=model.limits.max_tokens_limit
+        )
+    params = build_sampling_params(body, max_tokens=max_tokens, logprobs=_logprobs_setting(body), limits=model.limits,
+                                   constraint=constraint)
+    reply = _reply_format(model.engine, prompt, plan, settings, constrained=bool(constraint or body.constraint()))
+    meta = ResponseMeta(id=f"{id_prefix}{uuid.uuid4().hex}", created=int(time.time()), model=model.name)
+    return ChatJob(model, prompt, params, reply, meta)
+
+
+def _reply_format(engine: Any, prompt: list[int], plan: ToolPlan | None, settings: StructuredConfig, *,
+                  constrained: bool) -> ReplyFormat:
+    """Tools and reasoning markers for reading the reply. A constrained reply (JSON schema, grammar, a
+    forced call) has no reasoning block: the constraint holds from the first token."""
+    fmt = None if constrained else _reasoning_format(settings.reasoning_parser, engine.tokenizer.chat_template)
+    opened = False
+    if fmt is not None:
+        opened = fmt.opened_by(engine.tokenizer.decode(prompt[-_PROMPT_TAIL_TOKENS:]))
+    return ReplyFormat(plan if plan is not None and plan.active else None, fmt, opened)
+
+
+async def run_chat(request: Request, job: ChatJob, *, wants_stream: bool, include_usage: bool,
+                   formatter: Callable[[], StreamFormatter], build: Callable[[list[RequestOutput]], BaseModel],
+                   priority: int | None = None, prompt_param: str = "messages",
+                   framing: SSEFraming | None = None) -> Response:
+    """Admit ``job`` under the client's quota, run it, and answer as JSON (``build``) or SSE (``formatter``)."""
+    state = get_state(request)
+    record = access_record(request)
+    if record is not None:
+        record.request_id = job.meta.id
+    lease, granted = state.quota.admit(request, num_sequences=job.params.n, priority=priority)
+    stream = GenerationStream(
+        job.model.engine, [job.prompt], job.params, request_id=job.meta.id, priority=granted,
+        metrics=state.metrics, record=record, prompt_param=prompt_param, lease=lease,
+    )
+    return await respond(
+        request, stream, meta=job.meta, wants_stream=wants_stream, include_usage=include_usage,
+        keepalive_s=state.config.server.sse_keepalive_s, formatter=formatter, build=build, framing=framing,
+    )
+
+
+# ---- chat completions ----------------------------------------------------------------------
+
+
+class ChatFormatter:
+    """SSE chunks for /v1/chat/completions: a role chunk per choice, then reasoning and content deltas;
+    with tools, text that may be a tool call is held back and sent as ``delta.tool_calls`` fragments."""
+
+    def __init__(self, meta: ResponseMeta, n: int, logprobs: bool, reply: ReplyFormat | None = None) -> None:
         self._meta = meta
         self._n = n
         self._logprobs = logprobs
-        self._finished: set[int] = set()  # choices whose finish_reason was sent
-        self._plan = plan if plan is not None and plan.active else None
-        self._tool_streams: dict[int, ToolCallStream] = {}  # choice index -> its held-back text
+        self._reply = reply or ReplyFormat()
+        self._replies: dict[int, ReplyStream] = {}  # choice index -> its reply so far
 
     def prelude(self) -> Iterable[bytes]:
         for index in range(self._n):
@@ -97,42 +204,39 @@ class ChatFormatter:
 
     def chunks(self, prompt_index: int, out: RequestOutput) -> Iterable[bytes]:
         for o in out.outputs:
-            reason = o.finish_reason if o.finish_reason in _NORMAL_FINISH and o.index not in self._finished else None
-            if self._plan is not None:
-                yield from self._tool_chunks(o.index, o.text_delta, o.logprobs_delta, reason)
+            reply = self._replies.get(o.index)
+            if reply is None:
+                reply = self._replies[o.index] = ReplyStream(self._reply)
+            if reply.finished:
                 continue
-            logprobs = chat_logprobs(o.logprobs_delta) if self._logprobs and o.logprobs_delta else None
-            # Held-back text (part of a UTF-8 character, a possible stop string) still sends its tokens'
-            # logprobs now, so streamed logprobs equal non-streamed ones token for token.
-            if not (o.text_delta or reason or logprobs):
-                continue
-            if reason:
-                self._finished.add(o.index)
-            delta = DeltaMessage(content=o.text_delta) if o.text_delta else DeltaMessage()
-            choice = ChatStreamChoice(index=o.index, delta=delta, logprobs=logprobs, finish_reason=reason)
-            yield sse_model(self._chunk([choice]))
+            reason = o.finish_reason if o.finish_reason in NORMAL_FINISH else None
+            yield from self._choice_chunks(o.index, reply, o.text_delta, o.logprobs_delta, reason)
 
-    def _tool_chunks(self, index: int, text_delta: str, logprobs_delta: list | None, reason: str | None) -> Iterable[bytes]:
-        stream = self._tool_streams.setdefault(index, ToolCallStream(self._plan))  # type: ignore[arg-type]
-        content = stream.feed(text_delta)
-        calls = []
+    def _choice_chunks(self, index: int, reply: ReplyStream, text_delta: str, logprobs_delta: list | None,
+                       reason: str | None) -> Iterable[bytes]:
+        delta = reply.feed(text_delta)
+        calls: list[ToolCall] = []
         if reason:
-            self._finished.add(index)
-            rest, calls = stream.finish()
-            content += rest
+            rest = reply.finish()
+            delta.reasoning += rest.reasoning
+            delta.content += rest.content
+            calls = rest.tool_calls
+        # Held-back text (part of a UTF-8 character, a possible stop string or marker) still sends its
+        # tokens' logprobs now, so streamed logprobs equal non-streamed ones token for token.
         logprobs = chat_logprobs(logprobs_delta) if self._logprobs and logprobs_delta else None
-        if content or logprobs:
-            delta = DeltaMessage(content=content) if content else DeltaMessage()
-            yield sse_model(self._chunk([ChatStreamChoice(index=index, delta=delta, logprobs=logprobs)]))
+        if delta.reasoning or delta.content or logprobs or (reason and not calls):
+            message = DeltaMessage(content=delta.content or None, reasoning_content=delta.reasoning or None)
+            final = reason if not calls else None
+            yield sse_model(self._chunk([ChatStreamChoice(index=index, delta=message, logprobs=logprobs,
+                                                          finish_reason=final)]))
         for i, call in enumerate(calls):
             # As OpenAI: the first fragment names the call, later ones carry the arguments text.
             head = DeltaToolCall(index=i, id=call.id, type="function", function=DeltaFunctionCall(name=call.name, arguments=""))
             body = DeltaToolCall(index=i, function=DeltaFunctionCall(arguments=call.arguments))
             for fragment in (head, body):
                 yield sse_model(self._chunk([ChatStreamChoice(index=index, delta=DeltaMessage(tool_calls=[fragment]))]))
-        if reason:
-            final = "tool_calls" if calls else reason
-            yield sse_model(self._chunk([ChatStreamChoice(index=index, delta=DeltaMessage(), finish_reason=final)]))
+        if calls:
+            yield sse_model(self._chunk([ChatStreamChoice(index=index, delta=DeltaMessage(), finish_reason="tool_calls")]))
 
     def usage_chunk(self, usage: UsageInfo) -> bytes:
         return sse_model(self._chunk([], usage))
@@ -142,31 +246,32 @@ class ChatFormatter:
         return ChatCompletionChunk(id=m.id, created=m.created, model=m.model, choices=choices, usage=usage)
 
 
-def build_chat(meta: ResponseMeta, final: RequestOutput, logprobs: bool, plan: ToolPlan | None = None) -> ChatCompletionResponse:
-    """The non-streaming response body (tool calls parsed out of the text when tools are on)."""
-    final = attach_tool_calls(final, plan)
-    choices = [
-        ChatChoice(
-            index=o.index,
-            message=_message(o.text, o.tool_calls),
-            logprobs=chat_logprobs(o.logprobs or []) if logprobs else None,
-            finish_reason=o.finish_reason,
-        )
-        for o in final.outputs
-    ]
+def build_chat(meta: ResponseMeta, final: RequestOutput, logprobs: bool, reply: ReplyFormat | None = None) -> ChatCompletionResponse:
+    """The non-streaming response body (reasoning and tool calls read out of the text)."""
+    fmt = reply or ReplyFormat()
+    choices = []
+    for o in final.outputs:
+        finish = o.finish_reason
+        message = ChatResponseMessage(content=o.text)
+        if finish in NORMAL_FINISH:
+            parsed = read_reply(o.text, fmt)
+            message = _message(parsed.content, parsed.tool_calls, parsed.reasoning)
+            finish = "tool_calls" if parsed.tool_calls else finish
+        choices.append(ChatChoice(index=o.index, message=message,
+                                  logprobs=chat_logprobs(o.logprobs or []) if logprobs else None, finish_reason=finish))
     return ChatCompletionResponse(
         id=meta.id, created=meta.created, model=meta.model, choices=choices, usage=total_usage([final])
     )
 
 
-def _message(text: str, calls: list[ToolCall] | None) -> ChatResponseMessage:
+def _message(text: str, calls: list[ToolCall] | None, reasoning: str | None = None) -> ChatResponseMessage:
     if not calls:
-        return ChatResponseMessage(content=text)
+        return ChatResponseMessage(content=text, reasoning_content=reasoning)
     models = [ToolCallModel(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments)) for c in calls]
-    return ChatResponseMessage(content=text or None, tool_calls=models)
+    return ChatResponseMessage(content=text or None, tool_calls=models, reasoning_content=reasoning)
 
 
-def _plan(body: ChatCompletionRequest, engine: Any, settings: StructuredConfig) -> ToolPlan | None:
+def plan_request(body: ChatCompletionRequest, engine: Any, settings: StructuredConfig) -> ToolPlan | None:
     try:
         return plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls, engine.tokenizer.chat_template,
                           settings.tool_call_parser, settings.max_parallel_tool_calls)
@@ -197,35 +302,11 @@ def _logprobs_setting(body: ChatCompletionRequest) -> int | None:
 
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
     """Validate, admit and run one chat request."""
-    state = get_state(request)
-    model = state.require_ready()
-    state.check_model(body.model)
-    reject_unsupported(body)
-    # Jinja rendering and tokenising a large conversation take a while: off the event loop, so they do
-    # not stall every other stream (issue 9 defect 17).
-    plan = _plan(body, model.engine, state.config.structured)
-    constraint = _constraint(body, plan)
-    prompt = await run_in_threadpool(render_chat, model.engine, body.messages, body.add_generation_prompt is not False, plan)
-    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    if max_tokens is None:
-        max_tokens = default_max_tokens(
-            model.engine.tokenizer, prompt, max_model_len=model.max_model_len, limit=model.limits.max_tokens_limit
-        )
-    params = build_sampling_params(body, max_tokens=max_tokens, logprobs=_logprobs_setting(body), limits=model.limits,
-                                   constraint=constraint)
-    meta = ResponseMeta(id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()), model=model.name)
-    record = access_record(request)
-    if record is not None:
-        record.request_id = meta.id
-    lease, priority = state.quota.admit(request, num_sequences=params.n, priority=body.priority)
-    stream = GenerationStream(
-        model.engine, [prompt], params, request_id=meta.id, priority=priority,
-        metrics=state.metrics, record=record, prompt_param="messages", lease=lease,
-    )
+    job = await prepare_chat(body, request)
     wants_logprobs = bool(body.logprobs)
-    return await respond(
-        request, stream, meta=meta, wants_stream=body.wants_stream, include_usage=body.include_usage,
-        keepalive_s=state.config.server.sse_keepalive_s,
-        formatter=lambda: ChatFormatter(meta, params.n, wants_logprobs, plan),
-        build=lambda finals: build_chat(meta, finals[0], wants_logprobs, plan),
+    n = job.params.n
+    return await run_chat(
+        request, job, wants_stream=body.wants_stream, include_usage=body.include_usage, priority=body.priority,
+        formatter=lambda: ChatFormatter(job.meta, n, wants_logprobs, job.reply),
+        build=lambda finals: build_chat(job.meta, finals[0], wants_logprobs, job.reply),
     )

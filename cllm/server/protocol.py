@@ -258,6 +258,7 @@ class ChatResponseMessage(_Response):
     content: str | None = None
     refusal: str | None = None
     tool_calls: list[ToolCallModel] | None = None
+    reasoning_content: str | None = None  # the model's reasoning, split from content (vLLM / llama-server name)
 
 
 class ChatChoice(_Response):
@@ -294,6 +295,7 @@ class DeltaToolCall(_Response):
 class DeltaMessage(_Response):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 
 

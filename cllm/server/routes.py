@@ -10,6 +10,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import Response
 
+from cllm.server.anthropic import count_tokens, create_message
 from cllm.server.chat import create_chat_completion, render_chat
 from cllm.server.completions import create_completion
 from cllm.server.embeddings import create_embeddings
@@ -23,6 +24,7 @@ from cllm.server.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
+from cllm.server.responses import create_response, delete_response, get_response, list_input_items
 from cllm.server.state import Phase, get_state
 from cllm.server.tokens import encode_prompt
 
@@ -111,6 +113,12 @@ def _openai_router() -> APIRouter:
     router.add_api_route("/completions", create_completion, methods=["POST"], response_model=None)
     router.add_api_route("/chat/completions", create_chat_completion, methods=["POST"], response_model=None)
     router.add_api_route("/embeddings", create_embeddings, methods=["POST"], response_model=None)
+    router.add_api_route("/responses", create_response, methods=["POST"], response_model=None)
+    router.add_api_route("/responses/{response_id}", get_response, methods=["GET"], response_model=None)
+    router.add_api_route("/responses/{response_id}", delete_response, methods=["DELETE"], response_model=None)
+    router.add_api_route("/responses/{response_id}/input_items", list_input_items, methods=["GET"], response_model=None)
+    router.add_api_route("/messages", create_message, methods=["POST"], response_model=None)
+    router.add_api_route("/messages/count_tokens", count_tokens, methods=["POST"], response_model=None)
     router.add_api_route("/models", list_models, methods=["GET"])
     router.add_api_route("/models/{model_id:path}", get_model, methods=["GET"])
     router.add_api_route("/engine", engine_state, methods=["GET"])
@@ -134,5 +142,6 @@ def routers() -> list[APIRouter]:
 # Routes whose path is a fixed string, for the metrics' route label (anything else is "other").
 KNOWN_PATHS = frozenset({
     "/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/models", "/v1/engine",
+    "/v1/responses", "/v1/messages", "/v1/messages/count_tokens",
     "/health", "/metrics", "/tokenize", "/detokenize",
 })

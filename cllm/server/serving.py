@@ -43,6 +43,23 @@ class StreamFormatter(Protocol):
         """The final ``choices: []`` chunk carrying usage."""
 
 
+@dataclass(slots=True, frozen=True)
+class SSEFraming:
+    """How a protocol frames the end of an SSE stream: OpenAI's chat and completions end with
+    ``data: [DONE]`` and send errors as ``data: {"error": …}``; Responses and Messages name their
+    events and send no ``[DONE]``."""
+
+    error: Callable[[APIError], bytes]  # the event that replaces the rest of a failed stream
+    done: bytes = DONE  # sent last, after the usage chunk (b"" for none)
+
+
+def _openai_error(error: APIError) -> bytes:
+    return sse_json(error.body())
+
+
+OPENAI_FRAMING = SSEFraming(error=_openai_error)
+
+
 def total_usage(finals: Sequence[RequestOutput]) -> UsageInfo:
     """Usage summed over the prompts of a request."""
     prompt = sum(f.usage.prompt_tokens for f in finals)
@@ -62,7 +79,8 @@ def output_error(out: RequestOutput) -> APIError | None:
 
 
 async def sse_events(
-    stream: GenerationStream, formatter: StreamFormatter, *, include_usage: bool, keepalive_s: float
+    stream: GenerationStream, formatter: StreamFormatter, *, include_usage: bool, keepalive_s: float,
+    framing: SSEFraming = OPENAI_FRAMING,
 ) -> AsyncGenerator[bytes, None]:
     """The SSE body: chunks, optional usage chunk, ``[DONE]``; an error event replaces the rest on failure.
 
@@ -83,17 +101,18 @@ async def sse_events(
                     yield chunk
                 error = output_error(out)
                 if error is not None:
-                    yield sse_json(error.body())
+                    yield framing.error(error)
                     failed = True
                     break
             if include_usage and not failed:
                 yield formatter.usage_chunk(total_usage([f for f in stream.finals if f is not None]))
         except APIError as exc:
-            yield sse_json(exc.body())
+            yield framing.error(exc)
         except Exception as exc:  # a bug: the headers are out, so tell the client in-band and end cleanly
             log.error("stream failed", exc_info=exc)
-            yield sse_json(APIError(500, f"internal error: {type(exc).__name__}", code="internal_error").body())
-        yield DONE
+            yield framing.error(APIError(500, f"internal error: {type(exc).__name__}", code="internal_error"))
+        if framing.done:
+            yield framing.done
     finally:
         await stream.close()
 
@@ -116,6 +135,7 @@ async def respond(
     build: Callable[[list[RequestOutput]], BaseModel],
     include_usage: bool,
     keepalive_s: float,
+    framing: SSEFraming | None = None,
 ) -> Response:
     """Admit the request, then stream it or collect it into one body; the client leaving aborts it.
 
@@ -124,7 +144,8 @@ async def respond(
     try:
         await unless_disconnected(request, stream.start())
         if wants_stream:
-            body = sse_events(stream, formatter(), include_usage=include_usage, keepalive_s=keepalive_s)
+            body = sse_events(stream, formatter(), include_usage=include_usage, keepalive_s=keepalive_s,
+                              framing=framing or OPENAI_FRAMING)
             handed_over = True  # the response's body generator closes the stream now
             return EventStreamResponse(body, headers={"X-Request-Id": meta.id})
         finals = await unless_disconnected(request, stream.collect())
