@@ -476,14 +476,24 @@ class AsyncLLM:
         return await self._call(command)
 
     async def resume(self, snapshot: RequestSnapshot, segments: list[bytes]) -> AsyncIterator[RequestOutput]:
-        """Continue a request another engine exported; streams its outputs from where it stopped."""
+        """Continue a request another engine exported; streams its outputs from where it stopped.
+
+        A constrained request's grammar compiles off the engine thread first (as in ``generate``), so
+        the import meets a cached one. A caller that goes away (cancelled, closed) once the import is
+        queued leaves an abort queued right behind it: the imported request never runs on alone."""
         rid = self._admit_checks(snapshot.prompt_token_ids, snapshot.params, snapshot.request_id)
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._streams[rid] = stream
+        queued = False
         try:
+            if snapshot.params.constraint_key is not None:
+                await asyncio.to_thread(self.engine.structured.compile, snapshot.params)
+            queued = True
             await self._call(lambda: self.engine.import_request(snapshot, segments))
-        except BaseException:
+        except BaseException as err:
             self._streams.pop(rid, None)
+            if queued and not isinstance(err, Exception):  # the inbox runs commands in order: after the import
+                self._submit(lambda: self._abort_now(rid))
             raise
         async with contextlib.aclosing(self._consume(rid, stream)) as outputs:  # closing us aborts at once
             async for out in outputs:
