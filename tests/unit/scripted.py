@@ -85,6 +85,13 @@ class ScriptedBackend(FakeBackend):
         super().__init__(**kwargs)
         self._tok = ScriptedTokenizer(template)  # type: ignore[assignment]
         self.script_ids: list[int] = []
+        self.prompts: list[str] = []  # every admitted prompt, decoded, in order
+
+    def admit(self, sequence_id, token_ids, *, reuse_prefix=True):
+        admission = super().admit(sequence_id, token_ids, reuse_prefix=reuse_prefix)
+        if admission is not None:
+            self.prompts.append(self._tok.decode(token_ids))
+        return admission
 
     def set_script(self, *pieces: str | tuple[str, bool]) -> None:
         """The reply: pieces of text; a ``(text, False)`` piece is written character by character
