@@ -51,10 +51,20 @@ def _silent_log(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
             log.log(py_level, "llama.cpp: %s", message)
 
 
+def _amx_build() -> bool:
+    """The installed llama.cpp was built with its AMX (Intel Advanced Matrix Extensions) CPU kernels."""
+    return b"AMX_INT8 = 1" in C.llama_print_system_info()
+
+
 def model_params(*, n_gpu_layers: int) -> C.llama_model_params:
     """llama.cpp's default model params with our offload choice (see offload.resolve_gpu_layers)."""
     params = C.llama_model_default_params()
     params.n_gpu_layers = n_gpu_layers
+    # A native build on an AMX CPU (Sapphire Rapids Xeon, 2026-11-26) puts the weights in the AMX "extra"
+    # buffer type, and llama_decode of any batch of more than one token then crashed the process (SIGSEGV;
+    # one-token prompts ran). Without extra buffer types the same build runs correctly (plain CPU kernels).
+    if hasattr(params, "use_extra_bufts") and _amx_build():
+        params.use_extra_bufts = False
     return params
 
 
