@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from cllm.sampling.params import SamplingParams
 
@@ -18,3 +18,4 @@ class GenerateCall:
     timeout_s: float | None  # per-request deadline
     prefix_keys: tuple[bytes, ...]  # prompt prefix keys (cllm.cluster.prefix): the router routes by them
     prefill_only: bool = False  # PD: hand the request to a decode replica after its first token
+    avoid_replicas: frozenset[str] = field(default_factory=frozenset)  # Serve replica ids that refused it (draining)

@@ -9,4 +9,9 @@ class ReplicaDiedError(EngineDeadError):
 
 
 class ReplicaDrainingError(EngineDeadError):
-    """The replica a request (or a hand-off) reached is draining: the ingress sends it to another."""
+    """The replica a request (or a hand-off) reached is draining: the ingress sends it to another,
+    and never to ``replica`` (its Serve replica id) again."""
+
+    def __init__(self, message: str, replica: str | None = None) -> None:
+        super().__init__(message)
+        self.replica = replica  # survives pickling (BaseException keeps __dict__) through Ray's RayTaskError

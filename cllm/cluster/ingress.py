@@ -12,6 +12,7 @@ from typing import Any
 
 from cllm.cluster.remote_engine import RemoteEngine, load_tokenizer
 from cllm.cluster.stats_board import stats_board
+from cllm.cluster.transport import HolderClient
 from cllm.config import CllmConfig
 from cllm.server.app import create_app
 
@@ -23,7 +24,8 @@ class CllmIngress:
         self.config = CllmConfig.model_validate(config)
         info = await engines.info.remote()
         tokenizer = await asyncio.to_thread(load_tokenizer, self.config)
-        self.engine = RemoteEngine(self.config, info, engines, decoders, stats_board(), tokenizer)
+        self.engine = RemoteEngine(self.config, info, engines, decoders, stats_board(), tokenizer,
+                                   HolderClient(ttl_s=self.config.cluster.handoff_ttl_s))
 
     def __serve_build_asgi_app__(self) -> Any:
         return create_app(self.config, engine=self.engine)

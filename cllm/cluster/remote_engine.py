@@ -25,7 +25,7 @@ from cllm.cluster.calls import GenerateCall
 from cllm.cluster.errors import ReplicaDiedError, ReplicaDrainingError
 from cllm.cluster.prefix import prefix_keys
 from cllm.cluster.stats_board import ReplicaReport, aggregate
-from cllm.cluster.transport import HandoffTicket
+from cllm.cluster.transport import HandoffTicket, HolderClient
 from cllm.config import CllmConfig
 from cllm.engine.llm_engine import LLMEngine, Prompt
 from cllm.engine.stats import EngineStats, RunningRequestInfo
@@ -63,7 +63,7 @@ class RemoteEngine:
     resolve_max_tokens = LLMEngine.resolve_max_tokens
 
     def __init__(self, config: CllmConfig, info: dict[str, Any], engines: Any, decoders: Any | None,
-                 board: Any, tokenizer: Tokenizer) -> None:
+                 board: Any, tokenizer: Tokenizer, holder: HolderClient | None = None) -> None:
         self.config = config
         self.tokenizer = tokenizer
         self.max_model_len: int = info["max_model_len"]
@@ -72,6 +72,7 @@ class RemoteEngine:
         self._engines = engines  # colocated replicas, or the prefill replicas under PD
         self._decoders = decoders  # PD decode replicas; None = colocated
         self._board = board
+        self._holder = holder  # releases the chunks of a ticket no replica took (the client left)
         self._reports: list[ReplicaReport] = []
         self._poller: asyncio.Task[None] | None = None
         self._accepting = True
@@ -120,58 +121,63 @@ class RemoteEngine:
                             prefix_keys(ids, self.config.cluster.route_block_tokens),
                             prefill_only=self._decoders is not None and params.n == 1)
         send = functools.partial(self._engines.options(stream=True).generate.remote, call)
-        resuming: HandoffTicket | None = None  # the hand-off being resumed, if any
-        for _ in range(MAX_HOPS):
-            ticket: HandoffTicket | None = None
-            started = False
-            try:
-                async for item in _relay(send()):
-                    started = True
-                    if on_queued is not None:
-                        on_queued()
-                        on_queued = None
-                    if isinstance(item, HandoffTicket):
-                        ticket = item
-                    else:
-                        yield item
-            except ReplicaDrainingError:
-                if started:
-                    raise
-                await asyncio.sleep(DRAINING_RETRY_S)  # Serve has not yet taken the replica out of routing
-                continue
-            except ray.exceptions.RayTaskError:
-                # A hand-off whose KV transfer broke off (a chunk fetch failed) is asked for again: the
-                # router sends it back to the same replica (its prefix keys), whose receiver resumes from
-                # the last acknowledged chunk.
-                if started or resuming is None:
-                    raise
-                log.warning("hand-off of %s failed before its first output; resuming it", call.request_id)
-                continue
-            if ticket is None:
-                return
-            ticket.prefix_keys = call.prefix_keys
-            resuming = ticket
-            send = functools.partial(self._resume, ticket)
-        raise EngineDeadError(f"request {call.request_id!r} was sent on more than {MAX_HOPS} times")
+        target: GenerateCall | HandoffTicket = call  # what is being sent: the call, then each hand-off
+        resuming: HandoffTicket | None = None  # the hand-off being resumed, until a replica took it
+        try:
+            for _ in range(MAX_HOPS):
+                ticket: HandoffTicket | None = None
+                started = False
+                try:
+                    async for item in _relay(send()):
+                        started = True
+                        resuming = None  # a replica resumed it (and released its chunks)
+                        if on_queued is not None:
+                            on_queued()
+                            on_queued = None
+                        if isinstance(item, HandoffTicket):
+                            ticket = item
+                        else:
+                            yield item
+                except ReplicaDrainingError as err:
+                    if started:
+                        raise
+                    if err.replica is not None:  # the router never picks that replica for it again
+                        target.avoid_replicas = target.avoid_replicas | {err.replica}
+                    await asyncio.sleep(DRAINING_RETRY_S)  # Serve has not yet taken the replica out of routing
+                    continue
+                except ray.exceptions.RayTaskError:
+                    # A hand-off whose KV transfer broke off (a chunk fetch failed) is asked for again: the
+                    # router sends it back to the same replica (its prefix keys), whose receiver resumes from
+                    # the last acknowledged chunk.
+                    if started or resuming is None:
+                        raise
+                    log.warning("hand-off of %s failed before its first output; resuming it", call.request_id)
+                    continue
+                if ticket is None:
+                    return
+                ticket.prefix_keys = call.prefix_keys
+                target = resuming = ticket
+                send = functools.partial(self._resume, ticket)
+            raise EngineDeadError(f"request {call.request_id!r} was sent on more than {MAX_HOPS} times")
+        finally:
+            if resuming is not None and self._holder is not None:  # no replica took it: nobody else releases it
+                self._holder.release(resuming.header.transfer_id)
 
     def _resume(self, ticket: HandoffTicket) -> Any:
         return (self._decoders or self._engines).options(stream=True).resume.remote(ticket)
 
     async def embed(self, inputs: Prompt | Sequence[Prompt]) -> list[EmbeddingOutput]:
-        """Embeddings from one replica (it batches concurrent calls itself)."""
-        if not self._accepting:
-            raise EngineDeadError("server is shutting down")
-        with _ray_errors():
-            return await self._engines.embed.remote(inputs)
-
-    async def embed(self, inputs: Prompt | list[Prompt]) -> list[EmbeddingOutput]:
-        """Embeddings (see AsyncLLM.embed): tokenised and checked here, embedded on one replica."""
+        """Embeddings (see AsyncLLM.embed): tokenised and checked here (bad input: ValueError, a 400),
+        embedded on one replica, which batches concurrent calls; a replica's own errors come out as
+        raised there and a dead replica as ReplicaDiedError (503), as for generate."""
         if not self._accepting:
             raise EngineDeadError("server is shutting down")
         items = [inputs] if isinstance(inputs, str) else list(inputs)
         if items and all(isinstance(t, int) for t in items):
             items = [items]  # one token-id input
-        return await self._engines.embed.remote(await asyncio.to_thread(self._embedding_ids, items))
+        token_ids = await asyncio.to_thread(self._embedding_ids, items)
+        with _ray_errors():
+            return await self._engines.embed.remote(token_ids)
 
     def _embedding_ids(self, items: list[Prompt]) -> list[list[int]]:
         if not items:

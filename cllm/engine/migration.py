@@ -68,7 +68,9 @@ def import_request(engine: LLMEngine, snap: RequestSnapshot, segments: list[byte
     if not engine.has_room_for(1):
         raise QueueFullError(f"waiting queue is full ({engine.config.scheduler.max_waiting} requests); retry later")
     engine._check_id_free(snap.request_id, 1)
-    engine.structured.compile(snap.params)  # ValueError before any state changes, as add_request
+    # ValueError before any state changes, as add_request. Under AsyncLLM this runs on the engine
+    # thread, so AsyncLLM.resume compiles the grammar off it first and this is a cache hit.
+    engine.structured.compile(snap.params)
     req = _request_from(engine, snap, segments)
     rng = np.random.default_rng()
     rng.bit_generator.state = snap.rng_state

@@ -1,6 +1,8 @@
 """Prefix keys and the prefix-affinity routing decision (no Ray needed)."""
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from cllm.cluster.affinity import AffinityTable, rank
@@ -75,3 +77,83 @@ def test_pd_setting_is_validated_with_the_bad_value_named():
             load_config(environ={}, pd=bad)
     with pytest.raises(ValueError, match="replicas"):
         load_config(environ={}, replicas=0)
+
+
+# ------------------------------------------------- the Ray Serve router itself (issue 27 items 4, 5)
+def _router(*replicas):
+    from ray.serve._private.common import DeploymentHandleSource, DeploymentID
+
+    from cllm.cluster.router import PrefixAffinityRouter
+
+    router = PrefixAffinityRouter(deployment_id=DeploymentID(name="cllm-engine"),
+                                  handle_source=DeploymentHandleSource.UNKNOWN, use_replica_queue_len_cache=False)
+    router.initialize_state(max_imbalance=100)
+    router.update_replicas(list(replicas))
+    return router
+
+
+def _pending(call, n: int):
+    from ray.serve._private.common import RequestMetadata
+    from ray.serve._private.request_router.common import PendingRequest
+
+    return PendingRequest(args=[call], kwargs={}, metadata=RequestMetadata(request_id=f"req-{n}",
+                                                                           internal_request_id=f"internal-{n}"))
+
+
+def _replica(name: str, probe_s: float = 0.0):
+    from ray.serve._private.test_utils import FakeRunningReplica
+
+    replica = FakeRunningReplica(name, sleep_time_s=probe_s)
+    replica.set_queue_len_response(0)
+    return replica
+
+
+async def test_each_pending_request_gets_the_replica_chosen_for_it():
+    """Several requests pending at once: A's prefix is on r1 (whose queue-length probe answers
+    later), B's and C's on r2. With FIFOMixin the replica chosen for B went to A, the oldest pending
+    request, and r1 then to B: each request landed where the other's prefix was cached."""
+    from types import SimpleNamespace
+
+    r1, r2 = _replica("r1", probe_s=0.05), _replica("r2")
+    router = _router(r1, r2)
+    prompts = {"a": list(range(32)), "b": list(range(100, 132)), "c": list(range(100, 148))}
+    router._table.record(prefix_keys(prompts["a"], 16), r1.replica_id)
+    router._table.record(prefix_keys(prompts["b"], 16), r2.replica_id)
+    calls = [SimpleNamespace(prefix_keys=prefix_keys(prompts[name], 16)) for name in ("a", "b", "c", "a")]
+    chosen = await asyncio.wait_for(asyncio.gather(*(router._choose_replica_for_request(_pending(call, n))
+                                                      for n, call in enumerate(calls))), 10)
+    assert [r.replica_id.unique_id for r in chosen] == ["r1", "r2", "r2", "r1"]
+
+
+async def test_a_request_is_never_routed_to_a_replica_it_avoids():
+    """A drained request's ticket keeps its prefix keys, which name the draining replica (now the
+    least loaded too): it must go elsewhere, and wait rather than go back when nothing else is there."""
+    from types import SimpleNamespace
+
+    r1, r2 = _replica("r1"), _replica("r2")
+    router = _router(r1, r2)
+    keys = prefix_keys(list(range(48)), 16)
+    router._table.record(keys, r1.replica_id)
+    ticket = SimpleNamespace(prefix_keys=keys, avoid_replicas=frozenset({"r1"}))
+    ranks = await router.choose_replicas([r1, r2], _pending(ticket, 0))
+    assert [[r.replica_id.unique_id for r in tier] for tier in ranks] == [["r2"]]
+    assert await router.choose_replicas([r1], _pending(ticket, 1)) == []
+
+
+async def test_in_flight_counts_only_routed_requests_and_each_once():
+    r1, r2 = _replica("r1"), _replica("r2")
+    router = _router(r1, r2)
+    routed = _pending(SimpleCall(), 0)
+    router.on_request_routed(routed, r1.replica_id, None)
+    # Serve reports completion for every request it sent, also one r1 rejected (never routed):
+    router.on_request_completed(r1.replica_id, "internal-9")
+    assert router._in_flight[r1.replica_id] == 1
+    router.on_request_completed(r2.replica_id, "internal-0")  # not where it was routed: ignored
+    assert router._in_flight[r1.replica_id] == 1
+    router.on_request_completed(r1.replica_id, "internal-0")
+    router.on_request_completed(r1.replica_id, "internal-0")  # reported twice: counted out once
+    assert router._in_flight[r1.replica_id] == 0 and router._routed == {}
+
+
+class SimpleCall:
+    prefix_keys = ()

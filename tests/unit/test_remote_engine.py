@@ -117,3 +117,79 @@ async def test_a_hand_off_whose_transfer_broke_off_is_resumed_on_the_same_ticket
     with pytest.raises(ray.exceptions.RayTaskError):
         await collect(engine(engines))
     assert len(engines.calls) == 1
+
+
+class AwaitingHandle:
+    """A DeploymentHandle whose unary method (embed) answers with ``result`` or raises it."""
+
+    def __init__(self, result: object) -> None:
+        self.result = result
+        self.calls: list[object] = []
+
+    def __getattr__(self, method: str):
+        handle = self
+
+        class Method:
+            def remote(self, arg: object):
+                handle.calls.append(arg)
+
+                async def answer():
+                    if isinstance(handle.result, BaseException):
+                        raise handle.result
+                    return handle.result
+                return answer()
+        return Method()
+
+
+async def test_embed_maps_replica_errors_like_generate():
+    """Issue 27 item 10: embed was defined twice and the one that won passed Ray's errors through
+    (HTTP 500); a replica's bad-input error must be a 400 and a dead replica a 503."""
+    from cllm.server.errors import engine_error
+
+    bad = ray.exceptions.RayTaskError("embed", "traceback", ValueError("input 0: too long for the embedder"))
+    with pytest.raises(ValueError, match="too long") as caught:
+        await engine(AwaitingHandle(bad)).embed(["a red apple"])
+    assert engine_error(caught.value).status == 400
+    with pytest.raises(ReplicaDiedError) as caught:
+        await engine(AwaitingHandle(ray.exceptions.RayActorError())).embed(["a red apple"])
+    assert engine_error(caught.value).status == 503
+    handle = AwaitingHandle(["vector"])
+    remote = engine(handle)
+    assert await remote.embed("ab") == ["vector"]
+    assert handle.calls == [[remote.tokenize_prompt("ab")]]  # tokenised at the ingress: the replica gets token ids
+    with pytest.raises(ValueError):  # bad input fails before anything is sent
+        await engine(handle).embed([])
+    assert len(handle.calls) == 1
+    assert list(vars(RemoteEngine)).count("embed") == 1
+
+
+async def test_a_refused_hand_off_is_never_routed_to_the_refusing_replica_again():
+    """Issue 27 item 4: a draining replica's ticket names it (avoid_replicas), and each replica that
+    refuses the resume as draining is added, so the router never picks them for it."""
+    ticket = new_ticket()
+    ticket.avoid_replicas = frozenset({"a"})  # the draining replica it left
+    refused = ReplicaDrainingError("draining", replica="b")
+    engines = FakeHandle(generate=[["o1", ticket]], resume=[[refused], ["o2"]])
+    assert await collect(engine(engines)) == ["o1", "o2"]
+    resumed = [arg for method, arg in engines.calls if method == "resume"]
+    assert resumed[-1].avoid_replicas == {"a", "b"}
+
+
+async def test_a_ticket_no_replica_took_is_released_at_the_ingress():
+    """Issue 27 item 6: a hand-off whose resume failed before any replica took it (here: the
+    request was sent on too often) releases its chunks instead of leaving them to the holder."""
+    released = []
+
+    class Holder:
+        def release(self, transfer_id: str) -> None:
+            released.append(transfer_id)
+
+    from cllm.handoff.transfer import TransferHeader
+    ticket = HandoffTicket(snapshot=None, header=TransferHeader("r/1", (4,), 4), chunk_refs=[])
+    draining = [[ReplicaDrainingError("draining")] for _ in range(8)]
+    engines = FakeHandle(generate=[["o1", ticket]], resume=draining)
+    remote = RemoteEngine(fake_config(), {"max_model_len": 4096, "model_name": "fake", "vocab_size": 64}, engines,
+                          None, board=None, tokenizer=ByteTokenizer(), holder=Holder())
+    with pytest.raises(Exception, match="sent on more than"):
+        await collect(remote)
+    assert released == ["r/1"]
