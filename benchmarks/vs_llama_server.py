@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import statistics
 import subprocess
@@ -40,13 +41,16 @@ import sys
 import tarfile
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TextIO
 
 import httpx
 
 from cllm.bench.server_process import BenchServer, free_port
 from cllm.model_path import cache_root
+from cllm.progress import Phase, phase
 
 LLAMA_CPP_PYTHON = "0.3.36"  # the pinned llama-cpp-python (pyproject.toml); its sdist vendors llama.cpp
 CACHE = cache_root() / f"llama-server-{LLAMA_CPP_PYTHON}"
@@ -59,6 +63,8 @@ CMAKE_FLAGS = [
     "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
 ]
 REPO = Path(__file__).resolve().parent.parent
+BUILD_ESTIMATE_S = 15 * 60  # the llama-server target with 2 jobs on the 2-core machines: 10-20 min
+_PERCENT = re.compile(r"^\[\s*(\d{1,3})%\]")
 
 
 @dataclass(slots=True)
@@ -137,16 +143,41 @@ def build_llama_server() -> Path:
         with tarfile.open(sdist) as tar:
             tar.extractall(CACHE, filter="data")
     jobs = str(os.cpu_count() or 2)
-    print(f"building llama-server from {src} (once; ~10-20 min on 2 cores)", file=sys.stderr)
-    _run(["cmake", "-S", str(src), "-B", str(CACHE / "build"), *CMAKE_FLAGS])
-    _run(["nice", "-n", "10", "cmake", "--build", str(CACHE / "build"), "--target", "llama-server", "-j", jobs])
+    log_path = CACHE / "build.log"
+    print(f"building llama-server from {src} (once per machine); compiler output: {log_path}", file=sys.stderr)
+    with log_path.open("w") as log_file:
+        _run(["cmake", "-S", str(src), "-B", str(CACHE / "build"), *CMAKE_FLAGS], log=log_file)
+        # 10-20 min on 2 cores; make's "[ NN%]" lines drive the bar.
+        with phase("compiling llama-server", estimate_s=BUILD_ESTIMATE_S / max(1, int(jobs) / 2)) as progress:
+            _run(["nice", "-n", "10", "cmake", "--build", str(CACHE / "build"), "--target", "llama-server", "-j", jobs],
+                 log=log_file, on_line=lambda line: _build_progress(line, progress))
     (CACHE / "build-flags.json").write_text(json.dumps({"cmake": CMAKE_FLAGS, "source": str(src)}, indent=2))
     return binary
 
 
-def _run(cmd: list[str]) -> None:
+def _run(cmd: list[str], *, log: TextIO | None = None, on_line: Callable[[str], None] | None = None) -> None:
+    """Run ``cmd``; with ``log`` its output goes there (each line also to ``on_line``), else to the terminal."""
     print("+ " + " ".join(cmd), file=sys.stderr)
-    subprocess.run(cmd, check=True)
+    if log is None:
+        subprocess.run(cmd, check=True)
+        return
+    log.write("+ " + " ".join(cmd) + "\n")
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert proc.stdout is not None  # PIPE above
+    for line in proc.stdout:
+        log.write(line)
+        if on_line is not None:
+            on_line(line)
+    if proc.wait():
+        log.flush()
+        raise subprocess.CalledProcessError(proc.returncode, cmd, output=f"see {log.name}")
+
+
+def _build_progress(line: str, progress: Phase) -> None:
+    """make's "[ 42%] Building ..." lines: how far the build is."""
+    match = _PERCENT.match(line)
+    if match:
+        progress.update(int(match.group(1)) / 100)
 
 
 def pip_build_flags() -> dict[str, str]:

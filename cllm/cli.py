@@ -1,4 +1,4 @@
-"""The `cllm` command: generate, backends, serve, bench."""
+"""The `cllm` command: chat, generate, backends, serve, bench."""
 from __future__ import annotations
 
 import asyncio
@@ -86,6 +86,33 @@ async def _stream(engine: Any, prompt: str, params: Any) -> None:
         rate = (u.completion_tokens - 1) / secs if u.completion_tokens > 1 else 0.0
         typer.echo(f"\n[{out.outputs[0].finish_reason}] prompt={u.prompt_tokens} completion={u.completion_tokens} "
                    f"ttft={ttft:.0f}ms decode={rate:.1f} tok/s", err=True)
+
+
+@app.command()
+def chat(
+    url: Optional[str] = typer.Option(None, "--url", help="a running server, e.g. http://127.0.0.1:8000 (default: load the model in this process)"),
+    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="CLLM_API_KEY", help="the server's API key (with --url)"),
+    backend: Optional[str] = BackendOpt,
+    model: Optional[str] = ModelOpt,
+    config: Optional[Path] = ConfigOpt,
+    system: Optional[str] = typer.Option(None, "--system", help="system prompt (/system changes it later)"),
+    temperature: Optional[float] = typer.Option(None, "--temperature", help="0 = greedy (default 0.7; /set changes it)"),
+    max_tokens: Optional[int] = typer.Option(None, "--max-tokens", help="longest reply in tokens (default 512)"),
+    seed: Optional[int] = typer.Option(None, "--seed"),
+    n_threads: Optional[int] = typer.Option(None, "--n-threads"),
+    n_ctx: Optional[int] = typer.Option(None, "--n-ctx", help="context of the conversation in tokens (in-process)"),
+    n_seq_max: int = typer.Option(1, "--n-seq-max", help="sequence slots (in-process; one conversation needs one)"),
+    sets: Optional[list[str]] = SetOpt,
+) -> None:
+    """Talk to the model in the terminal: streamed replies, history, /reset, /system, /set; Ctrl-C stops a reply, Ctrl-D exits."""
+    from cllm.chat_cli import chat as run_chat
+
+    cfg = None
+    if url is None:
+        cfg = _config(config, sets, backend=backend, model=model, n_threads=n_threads, n_ctx=n_ctx, n_seq_max=n_seq_max)
+    sampling = {k: v for k, v in {"temperature": temperature, "max_tokens": max_tokens, "seed": seed}.items()
+                if v is not None}
+    raise typer.Exit(run_chat(url=url, api_key=api_key, config=cfg, system=system, sampling=sampling))
 
 
 @app.command()

@@ -1,8 +1,10 @@
-"""Optional API key, checked as a Bearer token on every route but /health.
+"""Optional API key, checked as a Bearer token on every route but /health and the chat page.
 
 Per-route decision (as llama-server with --api-key): only the liveness probe is public. /v1/*,
 /tokenize, /detokenize, /metrics (it reveals traffic), /docs and /openapi.json all need the key when
-one is configured. CORS preflights (OPTIONS) pass so browsers can then send the key.
+one is configured. The chat page's static files (``/``, cllm/server/chat_page.py) are public: they hold
+no data, and the page asks the person for the key and sends it on its API calls. CORS preflights
+(OPTIONS) pass so browsers can then send the key.
 """
 from __future__ import annotations
 
@@ -10,9 +12,10 @@ import hmac
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from cllm.server.chat_page import PAGE_PATHS
 from cllm.server.errors import APIError
 
-PUBLIC_PATHS = frozenset({"/health"})
+PUBLIC_PATHS = frozenset({"/health"}) | PAGE_PATHS
 
 
 class ApiKeyMiddleware:

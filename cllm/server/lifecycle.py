@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,8 @@ from typing import Any
 from fastapi import FastAPI
 
 from cllm.config import CllmConfig
+from cllm.progress import model_load_phase
+from cllm.server.ready import ready_lines
 from cllm.server.sampling import RequestLimits
 from cllm.server.state import LoadedModel, Phase, ServerState
 
@@ -26,7 +29,8 @@ log = logging.getLogger("cllm.server")
 def _construct_engine(config: CllmConfig) -> Any:
     from cllm.engine.async_llm import AsyncLLM  # imported here: it pulls in the backends
 
-    return AsyncLLM(config=config)
+    with model_load_phase(config):
+        return AsyncLLM(config=config)
 
 
 def _served_names(config: CllmConfig, engine: Any) -> tuple[str, ...]:
@@ -53,6 +57,9 @@ def attach_engine(state: ServerState, engine: Any) -> None:
         return
     state.phase = Phase.READY
     log.info("model %s ready (max_model_len=%d)", state.loaded.name, state.loaded.max_model_len)
+    # The person's ready line: where to chat, where the API is, what runs, a curl to try.
+    sys.stderr.write("\n".join(ready_lines(state.config, engine, state.loaded.name, state.loaded.max_model_len)) + "\n")
+    sys.stderr.flush()
 
 
 async def load_engine(state: ServerState) -> None:

@@ -12,6 +12,7 @@ from starlette.responses import Response
 
 from cllm.server.anthropic import count_tokens, create_message
 from cllm.server.chat import create_chat_completion, render_chat
+from cllm.server.chat_page import page_router
 from cllm.server.completions import create_completion
 from cllm.server.embeddings import create_embeddings
 from cllm.server.errors import bad_request
@@ -135,13 +136,13 @@ def _ops_router() -> APIRouter:
 
 
 def routers() -> list[APIRouter]:
-    """All routers of the app (the API key, when set, is checked by ApiKeyMiddleware)."""
-    return [_openai_router(), _ops_router()]
+    """All routers of the app (the API key, when set, is checked by ApiKeyMiddleware; the chat page is public)."""
+    return [_openai_router(), _ops_router(), page_router()]
 
 
 # Routes whose path is a fixed string, for the metrics' route label (anything else is "other").
 KNOWN_PATHS = frozenset({
     "/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/models", "/v1/engine",
     "/v1/responses", "/v1/messages", "/v1/messages/count_tokens",
-    "/health", "/metrics", "/tokenize", "/detokenize",
+    "/health", "/metrics", "/tokenize", "/detokenize", "/",
 })

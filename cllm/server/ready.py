@@ -1,0 +1,68 @@
+"""What `cllm serve` prints once the model is loaded: where to chat, where the API is, what runs, a curl to try."""
+from __future__ import annotations
+
+import json
+import shlex
+from typing import Any
+
+from cllm.config import CllmConfig
+
+_ANY_ADDRESS = {"0.0.0.0", "::", "[::]", ""}
+
+
+def base_url(config: CllmConfig) -> str:
+    """The URL a person on this machine opens (a wildcard bind address is reached through loopback)."""
+    host = config.server.host
+    if host in _ANY_ADDRESS:
+        host = "127.0.0.1"
+    elif ":" in host and not host.startswith("["):
+        host = f"[{host}]"  # IPv6 literal
+    return f"http://{host}:{config.server.port}"
+
+
+def device_text(engine: Any, config: CllmConfig) -> str:
+    """'llama_cpp on CPU, 2 threads' / 'torch on cuda:0, bfloat16' from the backend where it is in-process."""
+    backend = getattr(getattr(engine, "engine", None), "backend", None)
+    name = getattr(backend, "name", None) or config.model.backend
+    if backend is None:
+        return f"{name} (replicas)"
+    if name == "llama_cpp":
+        layers = getattr(backend, "n_gpu_layers", 0)
+        threads = getattr(backend, "_n_threads", None)
+        where = "GPU (layers offloaded)" if layers else "CPU"
+        text = f"llama_cpp on {where}" + (f", {threads} thread{'s' if threads != 1 else ''}" if threads else "")
+        weights, model = getattr(backend, "weights_path", None), getattr(backend, "model_path", None)
+        if weights is not None and model is not None and weights != model:
+            text += f", weights as a converted copy ({weights.name.split('.')[-3]})"
+        return text
+    device = getattr(backend, "device", None)
+    dtype = getattr(backend, "dtype", None)
+    return f"{name} on {device}" + (f", {str(dtype).removeprefix('torch.')}" if dtype is not None else "")
+
+
+def curl_line(config: CllmConfig, model: str) -> str:
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": "Hello! Who are you?"}]})
+    auth = ' -H "Authorization: Bearer $CLLM_API_KEY"' if config.server.api_key else ""
+    return (f"curl {base_url(config)}/v1/chat/completions -H 'Content-Type: application/json'{auth} "
+            f"-d {shlex.quote(body)}")
+
+
+def ready_lines(config: CllmConfig, engine: Any, model: str, max_model_len: int) -> list[str]:
+    """The ready block, one line per fact."""
+    url = base_url(config)
+    backend = getattr(getattr(engine, "engine", None), "backend", None)
+    capacity = getattr(backend, "capacity", None)
+    key_note = "  (API key required: Authorization: Bearer <key>; the page asks for it)" if config.server.api_key else ""
+    lines = [
+        f"cllm is ready: {model}",
+        f"  chat page : {url}/",
+        f"  API base  : {url}/v1{key_note}",
+        f"  model     : {model}",
+        f"  backend   : {device_text(engine, config)}",
+    ]
+    if capacity is not None:
+        lines.append(f"  slots     : {capacity.max_num_seqs} sequences at once, {max_model_len} tokens of context each")
+    else:
+        lines.append(f"  context   : {max_model_len} tokens per sequence")
+    lines.append(f"  try       : {curl_line(config, model)}")
+    return lines

@@ -1,0 +1,408 @@
+// cllm's chat page: streams /v1/chat/completions, keeps the conversation in this tab.
+//
+// Safety rule of this file: text from the model or the user only ever reaches the page through
+// textContent / createTextNode (and a link's href after URL parsing allows http(s) only). Nothing
+// here assigns innerHTML, outerHTML, insertAdjacentHTML or document.write; the server's
+// Content-Security-Policy forbids inline script as a second line of defence.
+"use strict";
+
+(() => {
+  const $ = (id) => document.getElementById(id);
+  const el = (tag, cls) => { const node = document.createElement(tag); if (cls) node.className = cls; return node; };
+  const KEY_STORE = "cllm.apiKey";          // sessionStorage: the key is forgotten with the tab
+  const CHAT_STORE = "cllm.chat.messages";  // sessionStorage: the conversation survives a reload
+  const SETTINGS_STORE = "cllm.chat.settings";  // localStorage: sampling settings and system prompt
+  const SETTING_IDS = ["system-prompt", "temperature", "top-p", "top-k", "min-p", "repetition-penalty",
+    "max-tokens", "seed", "extra"];
+
+  const state = {
+    messages: [],          // [{role, content}] without the system prompt
+    model: null,           // the served model id (GET /v1/models)
+    apiKey: sessionStorage.getItem(KEY_STORE) || "",
+    controller: null,      // AbortController of the reply in flight
+  };
+
+  // ------------------------------------------------------------------ markdown (DOM only)
+  const INLINE = new RegExp([
+    "(`+)([^`]|[^`][\\s\\S]*?[^`])\\1(?!`)",            // 1,2: `code`
+    "\\*\\*(?=\\S)([\\s\\S]*?\\S)\\*\\*",                 // 3: **bold**
+    "(?<![\\w*])\\*(?=\\S)([^*]*?\\S)\\*(?![\\w*])",        // 4: *italic*
+    "(?<!\\w)_(?=\\S)([^_]*?\\S)_(?!\\w)",                 // 5: _italic_
+    "\\[([^\\]\\n]+)\\]\\(([^)\\s]+)\\)",                  // 6,7: [text](url)
+    "(https?:\\/\\/[^\\s<>()\"']+[^\\s<>()\"'.,;:!?])",    // 8: bare URL
+  ].join("|"), "g");
+
+  function appendLink(parent, label, href) {
+    let url = null;
+    try { url = new URL(href); } catch (_) { url = null; }
+    if (!url || (url.protocol !== "http:" && url.protocol !== "https:")) {
+      parent.append(document.createTextNode(label === href ? href : `[${label}](${href})`));
+      return;
+    }
+    const a = el("a");
+    a.href = url.href;
+    a.target = "_blank";
+    a.rel = "noopener noreferrer nofollow";
+    a.textContent = label;
+    parent.append(a);
+  }
+
+  function renderInline(text, parent) {
+    let last = 0;
+    for (const m of text.matchAll(INLINE)) {
+      if (m.index > last) parent.append(document.createTextNode(text.slice(last, m.index)));
+      if (m[1] !== undefined) {
+        const code = el("code"); code.textContent = m[2]; parent.append(code);
+      } else if (m[3] !== undefined) {
+        const strong = el("strong"); renderInline(m[3], strong); parent.append(strong);
+      } else if (m[4] !== undefined || m[5] !== undefined) {
+        const em = el("em"); renderInline(m[4] ?? m[5], em); parent.append(em);
+      } else if (m[6] !== undefined) {
+        appendLink(parent, m[6], m[7]);
+      } else {
+        appendLink(parent, m[8], m[8]);
+      }
+      last = m.index + m[0].length;
+    }
+    if (last < text.length) parent.append(document.createTextNode(text.slice(last)));
+  }
+
+  const FENCE = /^\s{0,3}(`{3,}|~{3,})\s*([\w+#.-]*)\s*$/;
+  const HEADING = /^\s{0,3}(#{1,6})\s+(.*?)\s*#*\s*$/;
+  const RULE = /^\s{0,3}([-*_])(\s*\1){2,}\s*$/;
+  const QUOTE = /^\s{0,3}>\s?/;
+  const ITEM = /^\s{0,3}([-*+]|\d{1,9}[.)])\s+/;
+  const BLANK = /^\s*$/;
+  const startsBlock = (line) => FENCE.test(line) || HEADING.test(line) || RULE.test(line) || QUOTE.test(line) || ITEM.test(line);
+
+  // Markdown -> DOM nodes under root. A tolerant subset: fenced code, headings, rules, quotes, lists,
+  // paragraphs; inline code, bold, italic, http(s) links. Unfinished constructs (mid-stream) render
+  // as far as they go. Anything else, HTML included, is text.
+  function renderMarkdown(text, root) {
+    const lines = text.split("\n");
+    let i = 0;
+    while (i < lines.length) {
+      const line = lines[i];
+      let m;
+      if ((m = line.match(FENCE))) {
+        const body = [];
+        for (i++; i < lines.length && !lines[i].trim().startsWith(m[1]); i++) body.push(lines[i]);
+        i++;
+        const pre = el("pre"); const code = el("code");
+        if (m[2]) code.dataset.lang = m[2];
+        code.textContent = body.join("\n");
+        pre.append(code); root.append(pre);
+      } else if (BLANK.test(line)) {
+        i++;
+      } else if ((m = line.match(HEADING))) {
+        const h = el(`h${Math.min(m[1].length + 2, 6)}`); renderInline(m[2], h); root.append(h); i++;
+      } else if (RULE.test(line)) {
+        root.append(el("hr")); i++;
+      } else if (QUOTE.test(line)) {
+        const inner = [];
+        for (; i < lines.length && QUOTE.test(lines[i]); i++) inner.push(lines[i].replace(QUOTE, ""));
+        const quote = el("blockquote"); renderMarkdown(inner.join("\n"), quote); root.append(quote);
+      } else if ((m = line.match(ITEM))) {
+        const ordered = /\d/.test(m[1]);
+        const list = el(ordered ? "ol" : "ul");
+        if (ordered && parseInt(m[1], 10) !== 1) list.start = parseInt(m[1], 10);
+        for (; i < lines.length; i++) {
+          const item = lines[i].match(ITEM);
+          if (item && /\d/.test(item[1]) === ordered) {
+            const li = el("li"); renderInline(lines[i].slice(item[0].length), li); list.append(li);
+          } else if (!BLANK.test(lines[i]) && !startsBlock(lines[i]) && list.lastChild) {
+            list.lastChild.append(document.createTextNode(" ")); renderInline(lines[i].trim(), list.lastChild);
+          } else break;
+        }
+        root.append(list);
+      } else {
+        const p = el("p");
+        renderInline(line, p);
+        for (i++; i < lines.length && !BLANK.test(lines[i]) && !startsBlock(lines[i]); i++) {
+          p.append(el("br")); renderInline(lines[i], p);
+        }
+        root.append(p);
+      }
+    }
+  }
+
+  // ------------------------------------------------------------------ messages on the page
+  function messageView(role, content) {
+    const box = el("div", `msg ${role}`);
+    const who = el("div", "role"); who.textContent = role === "user" ? "you" : (state.model || "assistant");
+    const body = el("div", "body");
+    const meta = el("div", "meta");
+    box.append(who, body, meta);
+    box.dataset.state = "done";
+    setContent(box, role, content);
+    $("messages").append(box);
+    $("empty-hint").hidden = true;
+    return box;
+  }
+
+  function setContent(box, role, content) {
+    const body = box.querySelector(".body");
+    body.replaceChildren();
+    if (role === "user") body.textContent = content;  // the user's own text, shown as typed
+    else renderMarkdown(content, body);
+  }
+
+  function scrollToEnd() { const main = document.querySelector("main"); main.scrollTop = main.scrollHeight; }
+
+  function saveChat() { sessionStorage.setItem(CHAT_STORE, JSON.stringify(state.messages)); }
+
+  function restoreChat() {
+    try { state.messages = JSON.parse(sessionStorage.getItem(CHAT_STORE) || "[]"); } catch (_) { state.messages = []; }
+    if (!Array.isArray(state.messages)) state.messages = [];
+    state.messages = state.messages.filter((m) => m && (m.role === "user" || m.role === "assistant") && typeof m.content === "string");
+    for (const m of state.messages) messageView(m.role, m.content);
+    scrollToEnd();
+  }
+
+  // ------------------------------------------------------------------ settings
+  function saveSettings() {
+    const values = {};
+    for (const id of SETTING_IDS) values[id] = $(id).value;
+    localStorage.setItem(SETTINGS_STORE, JSON.stringify(values));
+  }
+
+  function restoreSettings() {
+    let values = {};
+    try { values = JSON.parse(localStorage.getItem(SETTINGS_STORE) || "{}") || {}; } catch (_) { values = {}; }
+    for (const id of SETTING_IDS) if (typeof values[id] === "string") $(id).value = values[id];
+  }
+
+  function numberSetting(id, parse) {
+    const raw = $(id).value.trim();
+    if (raw === "") return undefined;
+    const value = parse(raw);
+    return Number.isFinite(value) ? value : undefined;
+  }
+
+  // The request body, or throws Error with a message for the person.
+  function buildRequest() {
+    const system = $("system-prompt").value.trim();
+    const messages = (system ? [{ role: "system", content: system }] : []).concat(state.messages);
+    const body = { messages, stream: true, stream_options: { include_usage: true } };
+    if (state.model) body.model = state.model;
+    const fields = {
+      temperature: numberSetting("temperature", parseFloat),
+      top_p: numberSetting("top-p", parseFloat),
+      top_k: numberSetting("top-k", (s) => parseInt(s, 10)),
+      min_p: numberSetting("min-p", parseFloat),
+      repetition_penalty: numberSetting("repetition-penalty", parseFloat),
+      max_tokens: numberSetting("max-tokens", (s) => parseInt(s, 10)),
+      seed: numberSetting("seed", (s) => parseInt(s, 10)),
+    };
+    for (const [k, v] of Object.entries(fields)) if (v !== undefined) body[k] = v;
+    const extra = $("extra").value.trim();
+    $("extra-error").textContent = "";
+    if (extra) {
+      let parsed;
+      try { parsed = JSON.parse(extra); } catch (err) { throw new Error(`Extra request fields: not JSON (${err.message})`); }
+      if (!parsed || typeof parsed !== "object" || Array.isArray(parsed)) throw new Error("Extra request fields: must be a JSON object");
+      Object.assign(body, parsed);
+    }
+    return body;
+  }
+
+  // ------------------------------------------------------------------ HTTP
+  function headers() {
+    const h = { "Content-Type": "application/json" };
+    if (state.apiKey) h.Authorization = `Bearer ${state.apiKey}`;
+    return h;
+  }
+
+  async function errorMessage(res) {
+    try {
+      const body = await res.json();
+      if (body && body.error && body.error.message) return `${res.status}: ${body.error.message}`;
+    } catch (_) { /* not JSON */ }
+    return `HTTP ${res.status}`;
+  }
+
+  // Server-sent events of one response: yields each data object; returns at [DONE].
+  async function* events(res) {
+    const reader = res.body.getReader();
+    const decoder = new TextDecoder();
+    let buffer = "";
+    for (;;) {
+      const { value, done } = await reader.read();
+      if (done) return;
+      buffer += decoder.decode(value, { stream: true });
+      let nl;
+      while ((nl = buffer.indexOf("\n")) >= 0) {
+        const line = buffer.slice(0, nl).replace(/\r$/, "");
+        buffer = buffer.slice(nl + 1);
+        if (!line.startsWith("data:")) continue;  // blank separators, ": keep-alive" comments
+        const data = line.slice(5).trim();
+        if (data === "[DONE]") return;
+        yield JSON.parse(data);
+      }
+    }
+  }
+
+  function askForKey(message) {
+    $("api-key-panel").hidden = false;
+    $("api-key-error").textContent = message || "";
+    $("api-key").focus();
+  }
+
+  async function loadModel() {
+    const status = $("server-status");
+    for (;;) {
+      let health = null;
+      try { health = await fetch("health"); } catch (_) { health = null; }
+      if (health && health.ok) break;
+      let phase = "unreachable";
+      if (health) { try { phase = (await health.json()).status || phase; } catch (_) { /* keep */ } }
+      status.textContent = phase === "loading" ? "model loading…" : `server: ${phase}`;
+      await new Promise((r) => setTimeout(r, 1000));
+    }
+    status.textContent = "";
+    const res = await fetch("v1/models", { headers: headers() });
+    if (res.status === 401) {
+      $("model-name").textContent = "API key needed";
+      askForKey(state.apiKey ? "That key was refused." : "");
+      return false;
+    }
+    if (!res.ok) { $("model-name").textContent = await errorMessage(res); return false; }
+    const models = await res.json();
+    state.model = models.data && models.data.length ? models.data[0].id : null;
+    $("model-name").textContent = state.model || "(no model)";
+    $("api-key-panel").hidden = true;
+    return true;
+  }
+
+  // ------------------------------------------------------------------ one reply
+  function setBusy(busy) {
+    $("send").hidden = busy;
+    $("stop").hidden = !busy;
+  }
+
+  function formatStats(s) {
+    const parts = [];
+    if (s.ttft !== null) parts.push(`TTFT ${Math.round(s.ttft)} ms`);
+    if (s.rate !== null) parts.push(`${s.rate.toFixed(1)} tok/s`);
+    parts.push(`${s.tokens}${s.exact ? "" : "~"} tokens`);
+    parts.push(s.finish);
+    return parts.join(" · ");
+  }
+
+  async function send(text) {
+    if (state.controller) return;
+    let body;
+    state.messages.push({ role: "user", content: text });
+    try {
+      body = buildRequest();
+    } catch (err) {
+      state.messages.pop();
+      $("extra-error").textContent = err.message;
+      $("settings").hidden = false;
+      return;
+    }
+    $("input").value = "";
+    messageView("user", text);
+    saveChat();
+    const reply = { role: "assistant", content: "" };
+    const view = messageView("assistant", "");
+    view.dataset.state = "streaming";
+    scrollToEnd();
+
+    const controller = new AbortController();
+    state.controller = controller;
+    setBusy(true);
+    const started = performance.now();
+    let first = null; let chunks = 0; let usage = null; let finish = null; let pending = false;
+    const redraw = () => {
+      pending = false;
+      setContent(view, "assistant", reply.content);
+      scrollToEnd();
+    };
+    try {
+      const res = await fetch("v1/chat/completions", {
+        method: "POST", headers: headers(), body: JSON.stringify(body), signal: controller.signal,
+      });
+      if (res.status === 401) { askForKey("The server asks for an API key."); throw new Error("API key needed"); }
+      if (!res.ok) throw new Error(await errorMessage(res));
+      for await (const event of events(res)) {
+        if (event.error) throw new Error(event.error.message || "server error");
+        if (event.usage) usage = event.usage;
+        for (const choice of event.choices || []) {
+          const delta = choice.delta && choice.delta.content;
+          if (delta) {
+            if (first === null) first = performance.now();
+            chunks++;
+            reply.content += delta;
+            if (!pending) { pending = true; requestAnimationFrame(redraw); }
+          }
+          if (choice.finish_reason) finish = choice.finish_reason;
+        }
+      }
+      view.dataset.state = "done";
+    } catch (err) {
+      if (err.name === "AbortError") {
+        view.dataset.state = "stopped";
+        finish = "stopped";
+      } else {
+        view.dataset.state = "error";
+        finish = "error";
+        const note = el("div", "error-text"); note.textContent = err.message;
+        view.querySelector(".meta").before(note);
+      }
+    } finally {
+      state.controller = null;
+      setBusy(false);
+    }
+    redraw();
+    const ended = performance.now();
+    const tokens = usage ? usage.completion_tokens : chunks;
+    const decodeS = first !== null ? (ended - first) / 1000 : 0;
+    const stats = {
+      ttft: first !== null ? first - started : null,
+      rate: tokens > 1 && decodeS > 0 ? (tokens - 1) / decodeS : null,
+      tokens, exact: usage !== null, finish: finish || "done",
+    };
+    const line = formatStats(stats);
+    view.querySelector(".meta").textContent = line;
+    $("stats").textContent = line;
+    if (reply.content) { state.messages.push(reply); saveChat(); }
+    $("input").focus();
+  }
+
+  // ------------------------------------------------------------------ wiring
+  function wire() {
+    $("composer").addEventListener("submit", (ev) => {
+      ev.preventDefault();
+      const text = $("input").value.trim();
+      if (text) send(text);
+    });
+    $("input").addEventListener("keydown", (ev) => {
+      if (ev.key === "Enter" && !ev.shiftKey && !ev.isComposing) { ev.preventDefault(); $("composer").requestSubmit(); }
+    });
+    $("stop").addEventListener("click", () => { if (state.controller) state.controller.abort(); });
+    $("new-chat").addEventListener("click", () => {
+      if (state.controller) state.controller.abort();
+      state.messages = []; saveChat();
+      $("messages").replaceChildren(); $("empty-hint").hidden = false; $("stats").textContent = "";
+    });
+    $("toggle-settings").addEventListener("click", () => {
+      const panel = $("settings"); panel.hidden = !panel.hidden;
+      $("toggle-settings").setAttribute("aria-expanded", String(!panel.hidden));
+    });
+    for (const id of SETTING_IDS) $(id).addEventListener("change", saveSettings);
+    $("api-key-form").addEventListener("submit", async (ev) => {
+      ev.preventDefault();
+      state.apiKey = $("api-key").value.trim();
+      sessionStorage.setItem(KEY_STORE, state.apiKey);
+      await loadModel();
+    });
+    $("forget-key").addEventListener("click", () => { state.apiKey = ""; sessionStorage.removeItem(KEY_STORE); loadModel(); });
+  }
+
+  wire();
+  restoreSettings();
+  restoreChat();
+  loadModel();
+  window.cllmChat = { renderMarkdown };  // for tests and the curious; renders into a node you give it
+})();

@@ -1,0 +1,252 @@
+"""The chat page at `/` in a real headless Chromium (Debian's chromium + chromium-driver, through Selenium)
+against a real `cllm serve` on the embedded model: a streamed reply, the stop button aborting the request
+on the server, model-made markup shown as text, the API-key prompt, and a screenshot as a test artifact
+(test-artifacts/ at the repository root, or $CLLM_TEST_ARTIFACTS).
+
+No scripted engine: the injected markup is the real model's output, forced with the server's own
+constrained decoding (the `grammar` request field), which the page lets a person add through its
+"extra request fields".
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.integration.conftest_server import API_KEY, ServerProcess, _finish, start_server
+
+webdriver = pytest.importorskip("selenium.webdriver", reason="selenium (the test extra) is not installed")
+from selenium.webdriver.chrome.service import Service  # noqa: E402
+from selenium.webdriver.common.by import By  # noqa: E402
+from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+ARTIFACTS = Path(os.environ.get("CLLM_TEST_ARTIFACTS") or REPO / "test-artifacts")
+PAYLOAD = "<img src=x onerror=window.__pwned=1>"
+# The model must write the payload, then a bit of markdown: GBNF literal, so the reply is exactly this.
+FORCED_REPLY = f"{PAYLOAD} and <b>tag</b> then **bold** and `code`"
+FORCED_GRAMMAR = 'root ::= "' + FORCED_REPLY.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def _browser_paths() -> tuple[str, str]:
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    driver = shutil.which("chromedriver")
+    if chromium and driver:
+        return chromium, driver
+    why = "Debian's chromium and chromium-driver are not installed (.ci/run installs them)"
+    if os.environ.get("CI"):
+        pytest.fail(why)  # CI must run this test, not skip it
+    pytest.skip(why)
+
+
+@pytest.fixture(scope="module")
+def browser(tmp_path_factory: pytest.TempPathFactory) -> Iterator[webdriver.Chrome]:
+    chromium, driver_path = _browser_paths()
+    options = webdriver.ChromeOptions()
+    options.binary_location = chromium
+    for arg in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                "--disable-dev-shm-usage", "--window-size=1280,900",
+                f"--user-data-dir={tmp_path_factory.mktemp('chromium-profile')}"):
+        options.add_argument(arg)
+    driver = webdriver.Chrome(service=Service(executable_path=driver_path), options=options)
+    driver.set_script_timeout(30)
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+@pytest.fixture(scope="module")
+def page_server() -> Iterator[ServerProcess]:
+    srv = start_server("--n-seq-max", "4", "--n-ctx", "8192", "--log-level", "info")
+    yield srv
+    _finish(srv)
+
+
+def _open(driver: webdriver.Chrome, url: str) -> None:
+    driver.get(url)
+    driver.execute_script("sessionStorage.clear(); localStorage.clear();")
+    driver.get(url)  # a fresh conversation and default settings
+
+
+def _wait(driver: webdriver.Chrome, condition, timeout: float = 60.0, what: str = "") -> object:  # noqa: ANN001
+    return WebDriverWait(driver, timeout, poll_frequency=0.05).until(lambda d: condition(d), message=what)
+
+
+def _model_shown(driver: webdriver.Chrome) -> str:
+    return _wait(driver, lambda d: (t := d.find_element(By.ID, "model-name").text) and t != "connecting…" and t,
+                 what="the model name never appeared")
+
+
+def _settings(driver: webdriver.Chrome, **fields: str) -> None:
+    if driver.find_element(By.ID, "settings").get_attribute("hidden") is not None:
+        driver.find_element(By.ID, "toggle-settings").click()
+    for element_id, value in fields.items():
+        box = driver.find_element(By.ID, element_id)
+        driver.execute_script("arguments[0].value = arguments[1];", box, value)
+
+
+def _send(driver: webdriver.Chrome, text: str) -> None:
+    box = driver.find_element(By.ID, "input")
+    box.clear()
+    box.send_keys(text)
+    driver.find_element(By.ID, "send").click()
+
+
+def _last_reply(driver: webdriver.Chrome):  # noqa: ANN202
+    return driver.find_elements(By.CSS_SELECTOR, "#messages .msg.assistant")[-1]
+
+
+def _record_stream(driver: webdriver.Chrome) -> None:
+    """Note every distinct length the streaming reply's text has (a streamed reply grows in steps)."""
+    driver.execute_script("""
+        window.__lengths = [];
+        new MutationObserver(() => {
+          const m = document.querySelectorAll('#messages .msg.assistant');
+          const last = m[m.length - 1];
+          if (last && last.dataset.state === 'streaming') {
+            const n = last.querySelector('.body').textContent.length;
+            if (window.__lengths[window.__lengths.length - 1] !== n) window.__lengths.push(n);
+          }
+        }).observe(document.getElementById('messages'), {subtree: true, childList: true, characterData: true, attributes: true});
+    """)
+
+
+def _screenshot(driver: webdriver.Chrome, name: str) -> Path:
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    path = ARTIFACTS / name
+    assert driver.save_screenshot(str(path)), f"could not write {path}"
+    assert path.stat().st_size > 10_000  # a real picture of the page, not an empty file
+    return path
+
+
+def _engine_idle(server: ServerProcess, timeout_s: float) -> float:
+    """Seconds until /v1/engine shows no running or waiting request (AssertionError after timeout_s)."""
+    start = time.monotonic()
+    with server.http() as http:
+        while time.monotonic() - start < timeout_s:
+            body = http.get("/v1/engine").json()
+            if not body["running"] and not body["stats"]["num_waiting"]:
+                return time.monotonic() - start
+            time.sleep(0.05)
+    raise AssertionError(f"the server still runs the stopped request after {timeout_s}s: {body}")
+
+
+def _aborted_count(server: ServerProcess) -> float:
+    with server.http() as http:
+        text = http.get("/metrics").text
+    match = re.search(r'^cllm_requests_total\{status="abort"\} (\S+)$', text, re.M)
+    return float(match.group(1)) if match else 0.0
+
+
+def test_page_is_served_with_a_strict_content_security_policy(page_server: ServerProcess) -> None:
+    with httpx.Client(base_url=page_server.base_url) as http:
+        page = http.get("/")
+        assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+        assert "script-src 'self'" in page.headers["content-security-policy"]
+        assert "static/chat.js" in page.text
+        for path in ("/static/chat.js", "/static/chat.css"):
+            assert http.get(path).status_code == 200
+        # nothing on the page comes from elsewhere
+        assert not re.search(r"(src|href)=\"(https?:)?//", page.text)
+
+
+def test_send_a_message_and_see_a_streamed_reply(browser: webdriver.Chrome, page_server: ServerProcess) -> None:
+    _open(browser, page_server.base_url + "/")
+    assert _model_shown(browser).startswith("SmolLM2")
+    _settings(browser, **{"temperature": "0", "max-tokens": "48", "extra": json.dumps({"ignore_eos": True})})
+    _record_stream(browser)
+    _send(browser, "Write a short poem about the sea.")
+    reply = _wait(browser, lambda d: (r := _last_reply(d)).get_attribute("data-state") == "done" and r,
+                  what="the reply never finished")
+    text = reply.find_element(By.CSS_SELECTOR, ".body").text
+    assert len(text) > 20, text
+    lengths = browser.execute_script("return window.__lengths")
+    assert len(lengths) >= 3, f"the reply did not stream (text lengths seen while streaming: {lengths})"
+    stats = browser.find_element(By.ID, "stats").text
+    assert re.search(r"TTFT \d+ ms · [\d.]+ tok/s · 48 tokens · length", stats), stats
+    user = browser.find_elements(By.CSS_SELECTOR, "#messages .msg.user")
+    assert [u.find_element(By.CSS_SELECTOR, ".body").text for u in user] == ["Write a short poem about the sea."]
+    # the conversation goes on: the second request carries the first turn
+    _send(browser, "Again, shorter.")
+    _wait(browser, lambda d: len(d.find_elements(By.CSS_SELECTOR, "#messages .msg.assistant")) == 2
+          and _last_reply(d).get_attribute("data-state") == "done", what="the second reply never finished")
+    history = json.loads(browser.execute_script("return sessionStorage.getItem('cllm.chat.messages')"))
+    assert [m["role"] for m in history] == ["user", "assistant", "user", "assistant"]
+    _screenshot(browser, "chat-page.png")
+
+
+def test_stop_button_aborts_the_request_on_the_server(browser: webdriver.Chrome, page_server: ServerProcess) -> None:
+    _open(browser, page_server.base_url + "/")
+    _model_shown(browser)
+    aborted_before = _aborted_count(page_server)
+    # 1500 tokens take tens of seconds here: long enough to be stopped well before the end
+    _settings(browser, **{"max-tokens": "1500", "extra": json.dumps({"ignore_eos": True})})
+    _send(browser, "Tell me a very long story.")
+    _wait(browser, lambda d: len(_last_reply(d).find_element(By.CSS_SELECTOR, ".body").text) > 40,
+          what="the long reply never started")
+    with page_server.http() as http:
+        assert http.get("/v1/engine").json()["running"], "the long reply should be running on the server"
+    browser.find_element(By.ID, "stop").click()
+    reply = _wait(browser, lambda d: (r := _last_reply(d)).get_attribute("data-state") == "stopped" and r,
+                  timeout=10, what="the reply did not stop")
+    assert "stopped" in reply.find_element(By.CSS_SELECTOR, ".meta").text
+    assert browser.find_element(By.ID, "send").is_displayed()
+    assert _engine_idle(page_server, timeout_s=5.0) < 5.0  # aborted, not run to 1500 tokens
+    assert _aborted_count(page_server) == aborted_before + 1
+    _screenshot(browser, "chat-page-stopped.png")
+
+
+def test_markup_in_the_reply_is_shown_as_text(browser: webdriver.Chrome, page_server: ServerProcess) -> None:
+    _open(browser, page_server.base_url + "/")
+    _model_shown(browser)
+    _settings(browser, **{"temperature": "0", "max-tokens": "64", "extra": json.dumps({"grammar": FORCED_GRAMMAR})})
+    _send(browser, f"Say this: {PAYLOAD}")  # the user's own message carries it too
+    reply = _wait(browser, lambda d: (r := _last_reply(d)).get_attribute("data-state") == "done" and r,
+                  what="the forced reply never finished")
+    body = reply.find_element(By.CSS_SELECTOR, ".body")
+    assert PAYLOAD in body.text, body.text  # shown, as text
+    assert "<b>tag</b>" in body.text
+    assert body.find_elements(By.TAG_NAME, "strong")[0].text == "bold"  # markdown still renders
+    assert body.find_elements(By.TAG_NAME, "code")[0].text == "code"
+    assert not browser.find_elements(By.CSS_SELECTOR, "#messages img, #messages b")  # no element from the text
+    user = browser.find_elements(By.CSS_SELECTOR, "#messages .msg.user .body")[-1]
+    assert PAYLOAD in user.text
+    time.sleep(0.3)  # an onerror would have fired by now
+    assert browser.execute_script("return window.__pwned === undefined")
+    _screenshot(browser, "chat-page-markup.png")
+
+
+def test_page_asks_for_the_api_key_and_sends_it(browser: webdriver.Chrome) -> None:
+    server = start_server("--n-seq-max", "2", "--n-ctx", "4096", api_key=API_KEY)
+    try:
+        with httpx.Client(base_url=server.base_url) as http:
+            assert http.get("/").status_code == 200  # the page itself is public
+            assert http.get("/static/chat.js").status_code == 200
+            assert http.get("/v1/models").status_code == 401  # the API is not
+        _open(browser, server.base_url + "/")
+        _wait(browser, lambda d: d.find_element(By.ID, "api-key-panel").is_displayed(), what="no API-key prompt")
+        key_box = browser.find_element(By.ID, "api-key")
+        key_box.send_keys("wrong-key")
+        browser.find_element(By.ID, "api-key-save").click()
+        _wait(browser, lambda d: "refused" in d.find_element(By.ID, "api-key-error").text, what="a wrong key passed")
+        key_box.clear()
+        key_box.send_keys(API_KEY)
+        browser.find_element(By.ID, "api-key-save").click()
+        assert _model_shown(browser).startswith("SmolLM2")
+        assert not browser.find_element(By.ID, "api-key-panel").is_displayed()
+        _settings(browser, **{"max-tokens": "8", "extra": json.dumps({"ignore_eos": True})})
+        _send(browser, "Hi")
+        reply = _wait(browser, lambda d: (r := _last_reply(d)).get_attribute("data-state") in ("done", "error") and r,
+                      what="no reply with the key")
+        assert reply.get_attribute("data-state") == "done"
+    finally:
+        _finish(server)
