@@ -23,11 +23,20 @@ from typing import Any, Protocol, TextIO
 
 import yaml
 
+
+
+def _boolean(value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError("expected true or false")
+    return value
+
+
 # Settings `/set` accepts and how each value is read (None clears an optional one: `/set seed none`).
 SETTABLE: dict[str, Callable[[Any], Any]] = {
     "temperature": float, "top_p": float, "top_k": int, "min_p": float, "max_tokens": int,
     "repetition_penalty": float, "presence_penalty": float, "frequency_penalty": float, "seed": int,
     "stop": lambda v: [v] if isinstance(v, str) else [str(s) for s in v],
+    "min_tokens": int, "ignore_eos": _boolean,
 }
 DEFAULT_SAMPLING = {"temperature": 0.7, "max_tokens": 512}  # as the chat page
 

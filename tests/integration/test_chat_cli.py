@@ -1,0 +1,167 @@
+"""`cllm chat` driven through piped stdin: against a live `cllm serve` (--url) and in-process, with the
+real embedded model. Commands, history, Ctrl-C (SIGINT) stopping a reply but not the program, EOF exit."""
+from __future__ import annotations
+
+import io
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from cllm.chat_cli import ChatLoop, Conversation, RemoteModel
+from tests.integration.conftest_server import API_KEY, ServerProcess, _finish, start_server
+
+
+@pytest.fixture(scope="module")
+def chat_server() -> Iterator[ServerProcess]:
+    srv = start_server("--n-seq-max", "2", "--n-ctx", "4096", api_key=API_KEY)
+    yield srv
+    _finish(srv)
+
+
+def _chat_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "cllm", "chat", *args]
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CLLM_")}
+    env["CLLM_PROGRESS"] = "0"
+    return env
+
+
+class _Reader:
+    """Collects a pipe's output on a thread, so a test can wait for text while the process runs."""
+
+    def __init__(self, pipe: io.BufferedReader) -> None:
+        self.chunks: queue.Queue[bytes] = queue.Queue()
+        self.text = ""
+        threading.Thread(target=self._pump, args=(pipe,), daemon=True).start()
+
+    def _pump(self, pipe: io.BufferedReader) -> None:
+        while chunk := os.read(pipe.fileno(), 4096):
+            self.chunks.put(chunk)
+
+    def wait_for(self, predicate, timeout_s: float, what: str) -> str:  # noqa: ANN001
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                self.text += self.chunks.get(timeout=0.05).decode(errors="replace")
+            except queue.Empty:
+                pass
+            if predicate(self.text):
+                return self.text
+        raise AssertionError(f"{what}; output so far: {self.text[-2000:]!r}")
+
+
+def test_chat_against_a_server_with_piped_stdin(chat_server: ServerProcess) -> None:
+    script = "\n".join([
+        "Hello!",
+        "/set temperature 0",
+        "/set max_tokens 8",
+        "/system You are terse.",
+        "What is 2+2?",
+        "/set",
+        "/reset",
+        "/set nonsense 1",
+        "",
+    ])
+    env = _env() | {"CLLM_API_KEY": API_KEY}
+    done = subprocess.run(_chat_cmd("--url", chat_server.base_url, "--max-tokens", "12"), input=script.encode(),
+                          capture_output=True, timeout=120, env=env)
+    out, err = done.stdout.decode(), done.stderr.decode()
+    assert done.returncode == 0, err
+    lines = out.splitlines()
+    assert lines[0].strip(), "no reply to the first message"
+    assert "(temperature = 0.0)" in out and "(max_tokens = 8)" in out
+    assert "(system prompt: 'You are terse.')" in out
+    assert "  max_tokens = 8" in out and "  temperature = 0.0" in out  # /set lists the settings
+    assert "(conversation forgotten)" in out
+    assert "unknown setting 'nonsense'" in out
+    # one stats line per reply, the second limited by /set max_tokens 8
+    stats = [line for line in err.splitlines() if line.startswith("[")]
+    assert len(stats) == 2, err
+    assert stats[1].startswith("[8 tokens") or "stop" in stats[1], stats
+
+
+def test_chat_without_a_key_says_what_is_wrong(chat_server: ServerProcess) -> None:
+    done = subprocess.run(_chat_cmd("--url", chat_server.base_url), input=b"hi\n", capture_output=True,
+                          timeout=60, env=_env())
+    assert done.returncode == 2
+    assert "needs an API key" in done.stderr.decode()
+
+
+async def _never(*_args: object) -> None:
+    raise AssertionError("not called")
+
+
+def test_history_and_system_prompt_go_to_the_server(chat_server: ServerProcess) -> None:
+    """In this process (a ChatLoop over RemoteModel): each turn sends the system prompt and every turn before."""
+    import asyncio
+
+    loop = asyncio.new_event_loop()
+    model = RemoteModel(chat_server.base_url, API_KEY)
+    sent: list[list[dict[str, str]]] = []
+    real_reply = model.reply
+
+    async def recording_reply(messages, sampling, on_text):  # noqa: ANN001, ANN202
+        sent.append([dict(m) for m in messages])
+        return await real_reply(messages, sampling, on_text)
+
+    model.reply = recording_reply  # type: ignore[method-assign]
+    try:
+        loop.run_until_complete(model.connect())
+        assert model.name.startswith("SmolLM2")
+        conversation = Conversation(sampling={"temperature": 0, "max_tokens": 6})
+        stdin = io.StringIO("/system Be brief.\nfirst question\nsecond question\n")
+        stdout, stderr = io.StringIO(), io.StringIO()
+        assert ChatLoop(model, conversation, loop=loop, stdin=stdin, stdout=stdout, stderr=stderr).run() == 0
+    finally:
+        loop.run_until_complete(model.close())
+        loop.close()
+    assert sent[0] == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "first question"}]
+    assert [m["role"] for m in sent[1]] == ["system", "user", "assistant", "user"]
+    assert sent[1][2]["content"] == conversation.history[1]["content"] != ""
+    assert len(conversation.history) == 4
+
+
+def _interrupt_a_long_reply(cmd: list[str], env: dict[str, str], *, server: ServerProcess | None) -> None:
+    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    out, err = _Reader(proc.stdout), _Reader(proc.stderr)  # type: ignore[arg-type]
+    try:
+        assert proc.stdin is not None
+        proc.stdin.write(b"/set ignore_eos true\n/set max_tokens 1500\nTell me a very long story.\n")
+        proc.stdin.flush()
+        out.wait_for(lambda t: len(t.split("(max_tokens = 1500)\n", 1)[-1]) > 40, 90, "the long reply never started")
+        proc.send_signal(signal.SIGINT)  # Ctrl-C
+        err.wait_for(lambda t: "[stopped]" in t, 10, "Ctrl-C did not stop the reply")
+        if server is not None:  # the server aborted the request (the stream was closed)
+            with server.http() as http:
+                deadline = time.monotonic() + 5
+                while http.get("/v1/engine").json()["running"]:
+                    assert time.monotonic() < deadline, "the server still runs the interrupted request"
+                    time.sleep(0.05)
+        assert proc.poll() is None, "Ctrl-C ended the program"
+        proc.stdin.write(b"/set max_tokens 4\nAnd now?\n")
+        proc.stdin.flush()
+        err.wait_for(lambda t: "[4 tokens" in t, 60, "no reply after the interrupted one")
+        proc.stdin.close()  # EOF exits
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_ctrl_c_stops_the_reply_not_the_program_over_http(chat_server: ServerProcess) -> None:
+    env = _env() | {"CLLM_API_KEY": API_KEY}
+    _interrupt_a_long_reply(_chat_cmd("--url", chat_server.base_url), env, server=chat_server)
+
+
+def test_in_process_chat_ctrl_c_and_eof() -> None:
+    _interrupt_a_long_reply(_chat_cmd("--n-threads", "1", "--temperature", "0"), _env(), server=None)
