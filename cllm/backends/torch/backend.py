@@ -337,10 +337,26 @@ class TorchBackend(Backend):
         seq = self.blocks.sequence(sequence_id)
         n = seq.num_computed
         segments = [json.dumps(self._kv_geometry(n)).encode()]
-        for block_id in seq.block_ids[: -(-n // self.blocks.block_size)]:
-            block = torch.stack(self.kv.block(block_id)).cpu()
-            segments.append(block.reshape(-1).view(torch.uint8).numpy().tobytes())
+        block_ids = seq.block_ids[: -(-n // self.blocks.block_size)]
+        if block_ids:
+            # One gather and one device-to-host copy for every block (a copy per block was a sync per
+            # block inside the engine step), then sliced per block on the host.
+            blocks = self._gather_blocks(block_ids).cpu()
+            raw = blocks.reshape(len(block_ids), -1).view(torch.uint8).numpy()
+            segments.extend(row.tobytes() for row in raw)
         return segments
+
+    def _block_dim(self) -> int:
+        """The block axis of the K/V pools ([layers, heads, blocks, ...] or [layers, blocks, ...])."""
+        return 2 if self.kv.head_major else 1
+
+    def _gather_blocks(self, block_ids: Sequence[int]) -> torch.Tensor:
+        """K and V of these blocks as ``[blocks, 2, layers, *block]`` (contiguous, on the pool's device):
+        block i is the hand-off segment of ``block_ids[i]``."""
+        dim = self._block_dim()
+        index = torch.tensor(list(block_ids), dtype=torch.long, device=self.kv.k.device)
+        both = torch.stack((self.kv.k.index_select(dim, index), self.kv.v.index_select(dim, index)))
+        return both.movedim(dim + 1, 0).contiguous()
 
     def import_kv(self, sequence_id: str, segments: Sequence[bytes], token_ids: Sequence[int]) -> bool:
         """Write handed-over blocks into this sequence's own blocks (a scatter into its block table).
@@ -359,14 +375,23 @@ class TorchBackend(Backend):
         if not self.blocks.reserve(sequence_id, len(tokens)):
             return False
         seq = self.blocks.sequence(sequence_id)
-        for index in range(seq.num_computed // self.blocks.block_size, len(segments) - 1):
-            k, v = self.kv.block(seq.block_ids[index])
-            raw = torch.frombuffer(bytearray(segments[index + 1]), dtype=torch.uint8)
-            block = raw.view(k.dtype).view(2, *k.shape).to(self.device)
-            k.copy_(block[0])
-            v.copy_(block[1])
+        first = seq.num_computed // self.blocks.block_size
+        if first < len(segments) - 1:
+            # Every block in one host-to-device copy and one scatter per pool (not a copy per block).
+            k0, _ = self.kv.block(seq.block_ids[first])
+            count = len(segments) - 1 - first
+            raw = torch.frombuffer(bytearray(b"".join(segments[first + 1:])), dtype=torch.uint8)
+            blocks = raw.view(k0.dtype).view(count, 2, *k0.shape).to(self.device)
+            self._scatter_blocks(seq.block_ids[first:first + count], blocks)
         self.blocks.record_computed(sequence_id, 0, tokens)
         return True
+
+    def _scatter_blocks(self, block_ids: Sequence[int], blocks: torch.Tensor) -> None:
+        """Write ``[blocks, 2, layers, *block]`` (what _gather_blocks gives) into these blocks."""
+        dim = self._block_dim()
+        index = torch.tensor(list(block_ids), dtype=torch.long, device=self.kv.k.device)
+        self.kv.k.index_copy_(dim, index, blocks[:, 0].movedim(0, dim))
+        self.kv.v.index_copy_(dim, index, blocks[:, 1].movedim(0, dim))
 
     def _kv_geometry(self, num_tokens: int) -> dict[str, object]:
         """What two engines must agree on for their KV blocks to be interchangeable."""
