@@ -67,7 +67,7 @@ class Phase:
         self.total = total  # parts to do, when the step can count them
         self.unit = unit  # what a part is called
         self.estimate_s = estimate_s  # how long it should take, when known
-        self.done = 0.0  # parts done (total given) or seconds elapsed (time-driven)
+        self.done: float = 0  # parts done (total given), percent (update) or seconds elapsed (time-driven)
         self._stream = stream
         self._mode = mode
         self._counted = total is not None  # a counted bar is not driven by the clock
@@ -89,10 +89,10 @@ class Phase:
         with self._lock:
             if not self._counted:
                 self._counted, self.total, self.unit = True, 100, "%"
-                if self._bar is not None:
-                    self._bar.reset(total=100)
-                    self._bar.unit = "%"
-            self.done = max(0.0, min(1.0, fraction)) * 100
+                if self._bar is not None:  # from a bar over the estimate's seconds to one over percent
+                    self._bar.close()
+                    self._bar = self._open_bar()
+            self.done = round(max(0.0, min(1.0, fraction)) * 100)
             self._redraw()
 
     @property
@@ -133,15 +133,21 @@ class Phase:
         self._stream.flush()
         if self._mode != "bar":
             return
-        if self._counted:
-            self._bar = tqdm(total=self.total, unit=self.unit, file=self._stream, leave=False, dynamic_ncols=True,
-                             desc=self.what)
-        else:
-            fmt = "{desc}: {percentage:3.0f}%|{bar}| {elapsed} of about " + format_duration(self.estimate_s or 0)
-            self._bar = tqdm(total=self.estimate_s or 1.0, file=self._stream, leave=False, dynamic_ncols=True,
-                             desc=self.what, bar_format=fmt)
+        self._bar = self._open_bar()
+        if not self._counted:
             self._ticker = threading.Thread(target=self._tick, name="cllm-progress", daemon=True)
             self._ticker.start()
+
+    def _open_bar(self) -> tqdm:
+        about = format_duration(self.estimate_s or 0)
+        if self.unit == "%":  # update(fraction): percent done, and what is left at this pace
+            fmt = "{desc}: {percentage:3.0f}%|{bar}| {elapsed}, about {remaining} left"
+        elif self._counted:
+            fmt = None  # tqdm's own: n/total, rate, remaining
+        else:
+            fmt = "{desc}: {percentage:3.0f}%|{bar}| {elapsed} of about " + about
+        return tqdm(total=self.total if self._counted else (self.estimate_s or 1.0), unit=self.unit,
+                    file=self._stream, leave=False, dynamic_ncols=True, desc=self.what, bar_format=fmt)
 
     def _finish(self, failed: bool) -> None:
         self._suspend()
