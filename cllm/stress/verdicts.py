@@ -9,6 +9,7 @@ if TYPE_CHECKING:  # results only; importing the scenarios would pull in llama.c
     from cllm.stress.faults import FaultResult
     from cllm.stress.flood import FloodResult, MemoryTrace, SlowReaderResult
     from cllm.stress.fuzz import FuzzResult
+    from cllm.stress.holder_kill import HolderKillResult
     from cllm.stress.load import LoadResult
     from cllm.stress.sigterm import SigtermResult
 
@@ -89,4 +90,18 @@ def fault_failures(r: FaultResult) -> list[str]:
         failures.append(f"the poisoned request ended with {r.poisoned!r}, not 'error'")
     if any(reason != "length" for reason in r.batch_mates + r.after):
         failures.append(f"other requests failed too: batch mates {r.batch_mates}, later {r.after}")
+    return failures
+
+
+def holder_kill_failures(r: HolderKillResult) -> list[str]:
+    """Issue 27 item 1: no request hangs when the KV chunk holder dies under PD; each ends with its
+    tokens or an error event, and the requests sent after the kill all complete."""
+    failures = []
+    for wave, outcomes in (("before the kill", r.before), ("after the kill", r.after)):
+        for i, o in enumerate(outcomes):
+            if o.status is None or not (o.completed or (o.error_event and o.done)):
+                failures.append(f"request {i} sent {wave} did not end cleanly: status {o.status}, {o.detail}")
+    incomplete = [o.detail or str(o.status) for o in r.after if not o.completed]
+    if incomplete:
+        failures.append(f"{len(incomplete)} of {len(r.after)} requests sent after the kill did not complete: {incomplete}")
     return failures
