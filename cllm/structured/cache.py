@@ -11,6 +11,7 @@ from typing import Any
 
 from cllm.backends.base import Tokenizer
 from cllm.sampling.params import SamplingParams
+from cllm.structured.bounds import bounded_json_grammar
 from cllm.structured.vocab import tokenizer_info
 
 # Compiled JSON output is compact (", " and ": " separators, no free whitespace): a small model
@@ -79,10 +80,12 @@ class GrammarCache:
         kind, text = key
         compiler = self.compiler()
         try:
+            # JSON goes through xgrammar's schema converter, then gets llama.cpp's default bounds on
+            # numbers and string blank runs (bounds.py), so a small model cannot ramble to max_tokens.
             if kind == "json_schema":
-                return compiler.compile_json_schema(text, **_JSON_OPTIONS)
+                return compiler.compile_grammar(bounded_json_grammar(text, **_JSON_OPTIONS))
             if kind == "json_object":
-                return compiler.compile_json_schema(_ANY_OBJECT, strict_mode=False, **_JSON_OPTIONS)
+                return compiler.compile_grammar(bounded_json_grammar(_ANY_OBJECT, strict_mode=False, **_JSON_OPTIONS))
             if kind == "grammar":
                 return compiler.compile_grammar(text)
             if kind == "regex":
