@@ -72,10 +72,10 @@ class CompletionOutput:
 
     index: int  # choice index
     text: str  # all text so far (stop strings removed)
-    token_ids: list[int]  # all output tokens so far
+    token_ids: list[int]  # all output tokens: on the final output only ([] on streamed ones: see token_ids_delta)
     finish_reason: str | None  # "stop" | "length" | "abort" | "timeout" | "error"; None while running
     stop_reason: str | int | None = None  # matched stop string or stop token, if any
-    logprobs: list[TokenLogprob] | None = None  # per output token, when requested
+    logprobs: list[TokenLogprob] | None = None  # per output token, when requested: on the final output only (streamed: logprobs_delta)
     text_delta: str = ""  # text new since the previous streamed output of this choice
     token_ids_delta: list[int] = field(default_factory=list)  # tokens new since then
     logprobs_delta: list[TokenLogprob] | None = None  # logprobs new since then
@@ -84,7 +84,11 @@ class CompletionOutput:
 
 @dataclass(slots=True)
 class RequestOutput:
-    """The state of one request: streamed while running, final when ``finished``."""
+    """The state of one request: streamed while running, final when ``finished``.
+
+    Streamed outputs are deltas (each choice's ``*_delta`` fields); only the final one also holds
+    each choice's whole ``token_ids`` and ``logprobs``. ``prompt_token_ids`` is shared with the
+    engine's request: read it, never change it."""
 
     request_id: str  # engine id
     prompt: str | None  # prompt text, if given as text

@@ -23,7 +23,7 @@ class RequestStatus(enum.IntEnum):
 
     @property
     def is_finished(self) -> bool:
-        return self > RequestStatus.PREEMPTED
+        return self >= _FIRST_FINAL  # a plain int: enum member lookups cost ~10x this comparison
 
     @property
     def finish_reason(self) -> str | None:
@@ -31,6 +31,7 @@ class RequestStatus(enum.IntEnum):
         return _FINISH_REASONS.get(self)
 
 
+_FIRST_FINAL = int(RequestStatus.FINISHED_STOPPED)
 _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH: "length",
@@ -70,9 +71,11 @@ class Request:
     error: str | None = None  # failure message
     metrics: RequestMetrics = field(init=False)  # timings
     arrival_seq: int = 0  # tie-breaker: order of arrival
+    stop_ids: frozenset[int] = field(init=False)  # EOS + params.stop_token_ids (what min_tokens holds back)
 
     def __post_init__(self) -> None:
         self.metrics = RequestMetrics(arrival_time=self.arrival_time)
+        self.stop_ids = self.eos_token_ids | frozenset(self.params.stop_token_ids)
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -262,8 +262,10 @@ class LLMEngine:
                 return
             # Which sequence broke the batch is unknown: rerun each alone so only the culprit fails.
             logits, sampled_reqs = self._forward_one_by_one(out.chunks, touched)
-        self._prompt_tokens += sum(max(0, min(c.start + c.num_tokens, c.request.num_prompt_tokens) - c.start)
-                                   for c in out.chunks if not c.request.status.is_finished)
+        for c in out.chunks:  # decodes (start past the prompt) add nothing: skipped cheaply
+            n_prompt = len(c.request.prompt_token_ids)
+            if c.start < n_prompt and not c.request.status.is_finished:
+                self._prompt_tokens += min(c.start + c.num_tokens, n_prompt) - c.start
         self._sample_and_update(out, sampled_reqs, logits, touched, mask)
 
     def _forward(self, chunks: list[ScheduledChunk]) -> np.ndarray:
@@ -304,8 +306,9 @@ class LLMEngine:
     def _sample_and_update(self, out: SchedulerOutput, reqs: list[Request], logits: np.ndarray,
                            touched: dict[str, RequestGroup], mask: PendingMask | None = None) -> None:
         self.structured.apply(logits, [r.request_id for r in reqs], mask)
-        rows = [SamplingRow(r.params, self._rngs[r.request_id], r.prompt_token_ids, r.output_token_ids,
-                            r.eos_token_ids | frozenset(r.params.stop_token_ids)) for r in reqs]
+        rngs = self._rngs
+        rows = [SamplingRow(r.params, rngs[r.request_id], r.prompt_token_ids, r.output_token_ids, r.stop_ids)
+                for r in reqs]
         sampled = sample_logits(logits, rows) if reqs else []
         by_id = {r.request_id: s for r, s in zip(reqs, sampled)}
         now = time.monotonic()

@@ -4,8 +4,10 @@ from __future__ import annotations
 from cllm.backends.base import Tokenizer
 from cllm.detokenizer import IncrementalDetokenizer
 from cllm.outputs import CompletionOutput, RequestOutput, TokenLogprob, TopLogprob, Usage
-from cllm.request import Request
+from cllm.request import Request, RequestStatus
 from cllm.sampling.sampler import SampledToken
+
+_LAST_LIVE = int(RequestStatus.PREEMPTED)  # statuses above it are final (RequestStatus.is_finished), as a plain int
 
 
 class RequestGroup:
@@ -29,7 +31,9 @@ class RequestGroup:
 
     @property
     def finished(self) -> bool:
-        return all(c.status.is_finished for c in self.children)
+        if len(self.children) == 1:
+            return self.children[0].status > _LAST_LIVE
+        return all(c.status > _LAST_LIVE for c in self.children)
 
     def on_token(self, index: int, sampled: SampledToken) -> str | None:
         """Record a child's new token; returns a stop string it completed, if any."""
@@ -57,27 +61,36 @@ class RequestGroup:
             self._sent_logprobs[i] = len(child.output_logprobs)
 
     def make_output(self) -> RequestOutput:
-        """The group's state now, with deltas since the previous call."""
+        """The group's state now, with deltas since the previous call.
+
+        Streamed (unfinished) outputs are deltas: new text, token ids and logprobs only, and their
+        ``token_ids`` / ``logprobs`` are empty; the final output carries the whole of them as well.
+        Nothing per step is proportional to the prompt or the output so far (a copy of both per token
+        and request was most of the engine's time at 256 streams). ``prompt_token_ids`` and a complete
+        ``prompt_logprobs`` are the request's own lists, shared: read-only for callers."""
         first = self.children[0]
-        choices = [self._choice(i) for i in range(len(self.children))]
-        usage = Usage(
-            prompt_tokens=first.num_prompt_tokens,
-            completion_tokens=sum(c.num_output_tokens for c in self.children),
-            cached_tokens=first.num_cached_tokens or 0,
-        )
-        errors = [c.error for c in self.children if c.error]
+        finished = self.finished
+        if len(self.children) == 1:
+            choices = [self._choice(0, finished)]
+            completion, error = len(first.output_token_ids), first.error
+        else:
+            choices = [self._choice(i, finished) for i in range(len(self.children))]
+            completion = sum(c.num_output_tokens for c in self.children)
+            error = next((c.error for c in self.children if c.error), None)
+        usage = Usage(len(first.prompt_token_ids), completion, first.num_cached_tokens or 0)
         prompt_logprobs = None
         if first.scores_prompt and not first.needs_prompt_logits:
-            prompt_logprobs = list(first.prompt_logprobs)
-        return RequestOutput(self.group_id, self.prompt, list(first.prompt_token_ids), choices,
-                             self.finished, usage, first.metrics, errors[0] if errors else None, prompt_logprobs)
+            prompt_logprobs = first.prompt_logprobs  # complete: never appended to again
+        return RequestOutput(self.group_id, self.prompt, first.prompt_token_ids, choices,
+                             finished, usage, first.metrics, error, prompt_logprobs)
 
-    def _choice(self, i: int) -> CompletionOutput:
+    def _choice(self, i: int, group_finished: bool) -> CompletionOutput:
         child, detok = self.children[i], self._detoks[i]
-        if child.status.is_finished:
+        if child.status > _LAST_LIVE:
             detok.finish()
         tokens = child.output_token_ids
-        new_tokens = tokens[self._sent_tokens[i]:]
+        sent = self._sent_tokens[i]
+        new_tokens = tokens[sent:] if sent < len(tokens) else []
         self._sent_tokens[i] = len(tokens)
         logprobs = child.output_logprobs if child.params.logprobs is not None else None
         new_logprobs = None
@@ -85,7 +98,8 @@ class RequestGroup:
             new_logprobs = logprobs[self._sent_logprobs[i]:]
             self._sent_logprobs[i] = len(logprobs)
         return CompletionOutput(
-            index=i, text=detok.text, token_ids=list(tokens), finish_reason=child.status.finish_reason,
-            stop_reason=child.stop_reason, logprobs=list(logprobs) if logprobs is not None else None,
-            text_delta=detok.take_delta(), token_ids_delta=list(new_tokens), logprobs_delta=new_logprobs,
+            index=i, text=detok.text, token_ids=list(tokens) if group_finished else [],
+            finish_reason=child.status.finish_reason, stop_reason=child.stop_reason,
+            logprobs=list(logprobs) if logprobs is not None and group_finished else None,
+            text_delta=detok.take_delta(), token_ids_delta=new_tokens, logprobs_delta=new_logprobs,
         )

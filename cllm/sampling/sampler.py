@@ -41,8 +41,11 @@ class SampledToken:
 
     token_id: int  # the chosen token
     logprob: float | None  # its logprob (when asked)
-    top_ids: list[int]  # top-k alternatives (when asked)
-    top_logprobs: list[float]  # their logprobs
+    top_ids: Sequence[int]  # top-k alternatives (when asked)
+    top_logprobs: Sequence[float]  # their logprobs
+
+
+NO_ALTERNATIVES: tuple = ()  # top_ids / top_logprobs of a row that asked for none (shared, immutable)
 
 
 def sample(logits: np.ndarray, rows: Sequence[SamplingRow]) -> list[SampledToken]:
@@ -163,13 +166,13 @@ def top_candidates(logits: np.ndarray, k: int) -> np.ndarray:
     """
     n, vocab = logits.shape
     groups = max(CANDIDATE_GROUPS, 2 * k)
-    if vocab < 4 * groups:  # too small for groups to pay off
-        out = np.empty((n, k), dtype=np.int64)
-        for i, row in enumerate(logits):
-            kth = row[np.argpartition(row, -k)[-k:]].min()
-            ids = np.flatnonzero(row >= kth)  # every tie of the k-th value: lower ids win below
-            out[i] = ids[np.lexsort((ids, -row[ids]))[:k]]
-        return out
+    if vocab < 4 * groups:  # too small for groups to pay off: the exact k-th value, the batch at once
+        bounds = np.partition(logits, vocab - k, axis=1)[:, vocab - k]
+        rows, ids = np.nonzero(logits >= bounds[:, None])  # every tie of the k-th value: lower ids win below
+        values = logits[rows, ids]
+        order = _row_value_id_order(rows, values, ids, vocab)
+        starts = np.concatenate([[0], np.cumsum(np.bincount(rows, minlength=n))[:-1]])
+        return ids[order][starts[:, None] + np.arange(k)]
     logits = np.ascontiguousarray(logits)
     per_group = vocab // groups
     size = logits.itemsize
@@ -312,7 +315,7 @@ def _nucleus(probs: np.ndarray, mass: float) -> None:
 
 def _results(chosen: np.ndarray, rows: Sequence[SamplingRow], logprob_rows: list[int],
              logprobs: np.ndarray | None) -> list[SampledToken]:
-    out = [SampledToken(int(t), None, [], []) for t in chosen]
+    out = [SampledToken(t, None, NO_ALTERNATIVES, NO_ALTERNATIVES) for t in chosen.tolist()]
     for j, i in enumerate(logprob_rows):
         lp = logprobs[j]  # type: ignore[index]
         res = out[i]

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from cllm.sampling.params import SamplingParams
-from cllm.sampling.sampler import SampledToken, SamplingRow
+from cllm.sampling.sampler import NO_ALTERNATIVES, SampledToken, SamplingRow
 
 
 @dataclass(slots=True)
@@ -167,7 +167,7 @@ def _results(chosen: torch.Tensor, rows: Sequence[SamplingRow], logprob_rows: li
              logprobs: torch.Tensor | None) -> list[SampledToken]:
     """Host results: one copy of the chosen ids, and of the asked-for logprobs only."""
     ids = chosen.tolist()
-    out = [SampledToken(int(t), None, [], []) for t in ids]
+    out = [SampledToken(t, None, NO_ALTERNATIVES, NO_ALTERNATIVES) for t in ids]
     if logprobs is None:
         return out
     picked = torch.tensor([ids[i] for i in logprob_rows], device=logprobs.device)

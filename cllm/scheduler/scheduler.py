@@ -142,7 +142,7 @@ class Scheduler:
                     n = min(n, prefill_left)
                 if not self._reserve_or_preempt(req, req.num_computed_tokens + n, out):
                     break  # req itself was preempted: the rest of its group, ranked lower, already was
-                out.chunks.append(self._chunk(req, n))
+                out.add(self._chunk(req, n))
                 if group is prefilling:
                     prefill_left -= n
         return min(self.token_budget - out.num_tokens, prefill_left)
@@ -168,7 +168,7 @@ class Scheduler:
         while not self.backend.reserve(req.request_id, num_tokens):
             victim = self.running[-1]
             # A lower-ranked decode may already be in this step's batch: take its chunk out.
-            out.chunks = [c for c in out.chunks if c.request is not victim]
+            out.drop(victim)
             self._preempt(victim)
             out.preempted.append(victim)
             if victim is req:
@@ -200,7 +200,7 @@ class Scheduler:
             self.waiting.pop()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            out.chunks.append(self._chunk(req, n))
+            out.add(self._chunk(req, n))
             budget -= n
 
     def _refused_before(self, req: Request, budget: int) -> bool:

@@ -1,0 +1,213 @@
+"""Everything but the forward pass: the engine's CPU time per step and the server's CPU time per
+streamed token, over a backend whose forward costs nothing (cllm.bench.null_backend).
+
+On a GPU a decode step of a 1B model takes 2-5 ms, so whatever the engine and the server spend per
+step and per token is what keeps a server from its forward pass's speed. This measures that on any
+machine, without a GPU:
+
+- engine: an ``LLMEngine`` over a ``NullBackend`` with B = 1, 64, 256 running sequences (prompts of
+  ``--prompt-len`` tokens, prefilled first), then ``--steps`` decode steps timed with the engine
+  thread's CPU clock: ms per step (schedule, sample, update, outputs).
+- server: ``python -m cllm.bench.null_server`` (the real server: HTTP, SSE, engine thread) with B
+  concurrent streamed ``/v1/completions`` from client processes (raw asyncio sockets, so they cost
+  little); the server process's CPU time (from /proc, per thread) divided by the tokens streamed:
+  µs per token, split by thread (engine thread, event loop, the rest).
+
+Both with greedy and with temperature/top-p sampling. The null backend's vocabulary is ``--vocab``
+(1,024 by default): the sampler's own kernels over a real vocabulary run on the device on a GPU, and
+what is measured here is the Python around them.
+
+    .venv/bin/python benchmarks/engine_overhead.py [--json FILE] [--levels 1 64 256]
+
+Targets (issue 28, 2-core machine): engine <= 1.5 ms per step at 256 sequences, server <= 40 µs of
+CPU per streamed token.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import cllm  # noqa: E402
+from cllm.bench.null_backend import NullBackend  # noqa: E402
+from cllm.config import load_config  # noqa: E402
+from cllm.engine.llm_engine import LLMEngine  # noqa: E402
+
+MODES = {"greedy": dict(temperature=0.0), "top_p": dict(temperature=0.8, top_p=0.95, seed=1)}
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+# ------------------------------------------------------------------------------------------ engine
+def engine_ms_per_step(batch: int, mode: str, args: argparse.Namespace) -> float:
+    """The engine thread's CPU ms per decode step with ``batch`` sequences running."""
+    backend = NullBackend(slots=batch, vocab_size=args.vocab, device=args.device)
+    config = load_config(None, environ={}, n_seq_max=batch, max_waiting=4096)
+    engine = LLMEngine(config, backend=backend)
+    params = cllm.SamplingParams(max_tokens=args.steps + 64, ignore_eos=True, **MODES[mode])
+    for i in range(batch):
+        engine.add_request([300 + (i + j) % 500 for j in range(args.prompt_len)], params)
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.requests.values()) \
+            or engine.scheduler.num_waiting:
+        engine.step()
+    for _ in range(8):  # warm
+        engine.step()
+    t0 = time.thread_time()
+    for _ in range(args.steps):
+        engine.step()
+    ms = 1000 * (time.thread_time() - t0) / args.steps
+    engine.close()
+    return ms
+
+
+# ------------------------------------------------------------------------------------------ server
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _thread_cpu(pid: int) -> dict[str, float]:
+    """CPU seconds of ``pid``'s threads by role: the engine thread (it names itself cllm-engine), the
+    event loop (the main thread) and the rest (tokeniser threads, uvicorn's)."""
+    out: dict[str, float] = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            stat = (task / "stat").read_text()
+            name = (task / "comm").read_text().strip()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()
+        seconds = (int(fields[11]) + int(fields[12])) / CLK_TCK
+        role = "engine" if name.startswith("cllm-engine") else "event_loop" if int(task.name) == pid else "other"
+        out[role] = out.get(role, 0.0) + seconds
+    return out
+
+
+async def _stream(port: int, body: bytes) -> int:
+    """One streamed completion over a raw socket; its completion tokens (from the usage chunk)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: " + str(len(body)).encode() + b"\r\nConnection: close\r\n\r\n" + body)
+    await writer.drain()
+    tail = b""
+    while chunk := await reader.read(1 << 16):
+        tail = (tail + chunk)[-4096:]
+    writer.close()
+    marker = tail.rfind(b'"completion_tokens":')
+    if marker < 0:
+        raise RuntimeError(f"no usage in the stream's end: {tail[-300:]!r}")
+    digits = tail[marker + 20:].split(b",")[0].split(b"}")[0]
+    return int(digits)
+
+
+def _client(port: int, streams: int, repeats: int, body: bytes, results: "mp.Queue[int]") -> None:
+    async def closed_loop() -> int:
+        return sum([await _stream(port, body) for _ in range(repeats)])
+
+    async def run() -> int:
+        return sum(await asyncio.gather(*(closed_loop() for _ in range(streams))))
+    results.put(asyncio.run(run()))
+
+
+def server_us_per_token(port: int, pid: int, batch: int, mode: str, args: argparse.Namespace) -> dict[str, float]:
+    """Server CPU µs per streamed token with ``batch`` concurrent streams, in total and by thread."""
+    body = json.dumps({"prompt": [300 + j % 500 for j in range(args.prompt_len)], "max_tokens": args.tokens,
+                       "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True},
+                       **MODES[mode]}).encode()
+    procs_n = min(args.client_procs, batch)
+    per = [batch // procs_n + (1 if i < batch % procs_n else 0) for i in range(procs_n)]
+    results: mp.Queue[int] = mp.Queue()
+    before = _thread_cpu(pid)
+    repeats = max(1, -(-args.min_tokens // (batch * args.tokens)))  # enough tokens for the CPU clock's 10 ms ticks
+    procs = [mp.Process(target=_client, args=(port, n, repeats, body, results)) for n in per]
+    for p in procs:
+        p.start()
+    tokens = sum(results.get(timeout=600) for _ in procs)
+    for p in procs:
+        p.join()
+    after = _thread_cpu(pid)
+    split: dict[str, float] = {}
+    for role, sec in after.items():
+        used = sec - before.get(role, 0.0)
+        if used > 0:
+            split[role] = used * 1e6 / tokens
+    split["total"] = sum(split.values())
+    split["tokens"] = tokens
+    return split
+
+
+def start_null_server(args: argparse.Namespace, slots: int) -> tuple[subprocess.Popen, int]:
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "cllm.bench.null_server", "--port", str(port), "--slots", str(slots),
+                             "--vocab", str(args.vocab), "--device", args.device], cwd=ROOT)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1) as s:
+                s.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
+                if b" 200 " in s.recv(1024):
+                    return proc, port
+        except OSError:
+            pass
+        time.sleep(0.2)
+    proc.kill()
+    raise RuntimeError("the null server did not become ready in 60 s")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="engine and server overhead over a zero-cost backend")
+    parser.add_argument("--levels", type=int, nargs="+", default=[1, 64, 256])
+    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    parser.add_argument("--vocab", type=int, default=1024)
+    parser.add_argument("--device", choices=("numpy", "torch"), default="numpy",
+                        help="logits as numpy (numpy sampler) or torch CPU tensors (the torch sampler)")
+    parser.add_argument("--prompt-len", type=int, default=150)
+    parser.add_argument("--steps", type=int, default=300, help="timed engine steps per level")
+    parser.add_argument("--tokens", type=int, default=256, help="max_tokens of each streamed request")
+    parser.add_argument("--client-procs", type=int, default=2)
+    parser.add_argument("--min-tokens", type=int, default=32768, help="tokens streamed per level at least (closed loops)")
+    parser.add_argument("--skip-server", action="store_true")
+    parser.add_argument("--json", type=Path, help="write the results here")
+    args = parser.parse_args()
+
+    result: dict[str, dict] = {"engine_ms_per_step": {}, "server_us_per_token": {}, "by_mode": {},
+                               "settings": {k: str(v) for k, v in vars(args).items()}}
+    for mode in args.modes:
+        eng = {str(b): round(engine_ms_per_step(b, mode, args), 4) for b in args.levels}
+        result["by_mode"].setdefault(mode, {})["engine_ms_per_step"] = eng
+        print(f"engine  {mode:6s} ms/step   " + "  ".join(f"B={b}: {v:.3f}" for b, v in eng.items()), flush=True)
+    if not args.skip_server:
+        proc, port = start_null_server(args, max(args.levels))
+        try:
+            for mode in args.modes:
+                srv = {}
+                for b in args.levels:
+                    srv[str(b)] = {k: round(v, 2) for k, v in server_us_per_token(port, proc.pid, b, mode, args).items()}
+                    s = srv[str(b)]
+                    print(f"server  {mode:6s} B={b:<4d} µs/token total {s['total']:.1f}  engine {s.get('engine', 0):.1f}  "
+                          f"event loop {s.get('event_loop', 0):.1f}  other {s.get('other', 0):.1f}  ({int(s['tokens'])} tokens)",
+                          flush=True)
+                result["by_mode"][mode]["server_us_per_token"] = srv
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)
+    greedy = result["by_mode"].get("greedy", {})
+    result["engine_ms_per_step"] = greedy.get("engine_ms_per_step", {})
+    result["server_us_per_token"] = {b: v["total"] for b, v in greedy.get("server_us_per_token", {}).items()}
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1))
+    print(json.dumps({k: result[k] for k in ("engine_ms_per_step", "server_us_per_token")}))
+
+
+if __name__ == "__main__":
+    main()
