@@ -250,3 +250,38 @@ def test_page_asks_for_the_api_key_and_sends_it(browser: webdriver.Chrome) -> No
         assert reply.get_attribute("data-state") == "done"
     finally:
         _finish(server)
+
+
+HOSTILE = "\n".join([
+    "# Title <script>window.__pwned=2</script>",
+    "[click](javascript:window.__pwned=3) and [ok](https://example.com/a?b=1)",
+    "![img](x) <iframe src=x></iframe> <svg onload=window.__pwned=4>",
+    "- item **<b>x</b>**",
+    "1. one",
+    "> quote <img src=x onerror=window.__pwned=5>",
+    "```html",
+    "<img src=x onerror=window.__pwned=6>",
+    "```",
+    "`<i>inline</i>` and *em* and snake_case_name",
+])
+
+
+def test_markdown_renderer_builds_text_nodes_only(browser: webdriver.Chrome, page_server: ServerProcess) -> None:
+    """The page's renderer on hostile markdown: structure from markdown, never an element from the text."""
+    _open(browser, page_server.base_url + "/")
+    result = browser.execute_script("""
+        const root = document.createElement('div');
+        document.body.append(root);
+        window.cllmChat.renderMarkdown(arguments[0], root);
+        const tags = [...root.querySelectorAll('*')].map((n) => n.tagName.toLowerCase());
+        const links = [...root.querySelectorAll('a')].map((a) => a.href);
+        return {tags, links, text: root.textContent};
+    """, HOSTILE)
+    time.sleep(0.3)
+    assert browser.execute_script("return window.__pwned === undefined")
+    assert set(result["tags"]) <= {"h3", "p", "a", "ul", "ol", "li", "strong", "em", "code", "pre", "blockquote", "br"}
+    assert {"h3", "ul", "ol", "strong", "pre", "blockquote", "code", "em"} <= set(result["tags"])
+    assert result["links"] == ["https://example.com/a?b=1"]  # the javascript: link stays text
+    for raw in ("<script>window.__pwned=2</script>", "[click](javascript:window.__pwned=3)", "<iframe src=x></iframe>",
+                "<img src=x onerror=window.__pwned=6>", "<i>inline</i>", "snake_case_name"):
+        assert raw in result["text"], raw
