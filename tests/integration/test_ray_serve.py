@@ -169,6 +169,14 @@ def test_routes_streaming_errors_and_greedy_output(cluster, reference):
         assert got["embedding"] == pytest.approx(list(want.embedding), abs=1e-4)
 
 
+def test_chat_page_through_the_ingress(cluster):
+    url = cluster.deploy("colocated", replicas=2)
+    page = cluster.client.get(url + "/")
+    assert page.status_code == 200 and "static/chat.js" in page.text
+    assert "script-src 'self'" in page.headers["content-security-policy"]
+    assert cluster.client.get(url + "/static/chat.js").status_code == 200
+
+
 def test_embeddings_and_echo_logprobs_through_the_cluster(cluster, reference):
     url = cluster.deploy("colocated", replicas=2)
     texts = ["The cat sat on the mat.", "A cat was sitting on the mat."]
