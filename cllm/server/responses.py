@@ -13,13 +13,13 @@ import uuid
 from collections.abc import Iterable
 from typing import Any
 
-from pydantic import RootModel
+from pydantic import BaseModel, RootModel
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from cllm.outputs import RequestOutput
 from cllm.server.chat import ChatJob, prepare_chat, run_chat
-from cllm.server.errors import APIError, reject_unsupported
+from cllm.server.errors import APIError, bad_request, reject_unsupported
 from cllm.server.protocol import ChatCompletionRequest
 from cllm.server.reply import NORMAL_FINISH, Reply, ReplyStream, read_reply
 from cllm.server.responses_input import (
@@ -34,6 +34,8 @@ from cllm.server.responses_store import ResponseStore, response_store
 from cllm.server.serving import SSEFraming
 from cllm.tools import ToolCall
 
+# Request fields a Response echoes back or the store keeps (their text must be writable as UTF-8).
+_ECHOED = ("input", "instructions", "metadata", "user", "tools", "tool_choice", "text", "reasoning")
 # Chat field names as the Responses API spells them, for error bodies.
 _PARAMS = {"max_tokens": "max_output_tokens", "max_completion_tokens": "max_output_tokens",
            "response_format": "text.format", "messages": "input"}
@@ -299,9 +301,25 @@ def _chat_request(body: ResponsesRequest, convo: list[dict[str, Any]]) -> ChatCo
     )
 
 
+def _check_echoed(body: ResponsesRequest) -> None:
+    """400 for echoed fields holding a lone surrogate (valid JSON, not valid UTF-8): the Response and
+    the store give them back, and writing them would fail after the work was done."""
+    for name in _ECHOED:
+        value = getattr(body, name)
+        if value is None:
+            continue
+        plain = value.model_dump() if isinstance(value, BaseModel) else value
+        try:
+            json.dumps(plain, ensure_ascii=False).encode()
+        except UnicodeEncodeError:
+            raise bad_request(f"invalid {name}: holds text that is not valid Unicode (a lone surrogate)",
+                              param=name) from None
+
+
 async def create_response(body: ResponsesRequest, request: Request) -> Response:
     """Validate, admit and run one Responses request."""
     reject_unsupported(body)
+    _check_echoed(body)
     store = response_store(request)
     history = _history(body, store)
     new = input_messages(body.input)

@@ -1,5 +1,7 @@
-"""Fuzzing: schemathesis cases from the server's own /openapi.json for every POST route, plus the
-hand-written hostile requests; no request may get a 5xx, and the server must still serve after.
+"""Fuzzing: schemathesis cases from the server's own /openapi.json for every POST route (chat,
+completions, embeddings, Responses, Messages, count_tokens, tokenize …), plus the hand-written hostile
+requests (hostile.py, hostile_protocols.py) and GET / DELETE of unknown response ids; no request may
+get a 5xx, and the server must still serve after.
 
 Cases are generated first (hypothesis, sequentially) and sent afterwards from a thread pool, so the
 server's slots work in parallel and the run stays short.
@@ -16,6 +18,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from schemathesis import GenerationMode
 
 from cllm.stress.hostile import HostileCase, hostile_cases
+from cllm.stress.hostile_protocols import RouteCase, protocol_hostile_cases, response_id_cases
 from cllm.stress.server_process import ServerProcess
 
 
@@ -30,8 +33,19 @@ class FuzzResult:
     still_serves: bool = False  # a normal request succeeded afterwards
 
 
+# Routes whose positive cases name the served model: Messages requires `model`, so a generated name
+# would end every case at the 404 before the conversion, the template and the engine see it.
+_SERVED_MODEL_ROUTES = ("/v1/messages", "/v1/responses")
+
+
+def _served_model(server: ServerProcess) -> str:
+    with server.http(timeout=30.0) as client:
+        return str(client.get("/v1/models").json()["data"][0]["id"])
+
+
 def _generated_cases(server: ServerProcess, examples: int, derandomize: bool) -> tuple[list[HostileCase], list[str]]:
     schema = schemathesis.openapi.from_url(f"{server.base_url}/openapi.json")
+    served = _served_model(server)
     cases: list[HostileCase] = []
     operations: list[str] = []
     for result in schema.get_all_operations():
@@ -46,6 +60,9 @@ def _generated_cases(server: ServerProcess, examples: int, derandomize: bool) ->
             def collect(case: schemathesis.Case) -> None:
                 kwargs = case.as_transport_kwargs(base_url=server.base_url)
                 body = kwargs.get("json")
+                if (mode is GenerationMode.POSITIVE and isinstance(body, dict) and isinstance(body.get("model"), str)
+                        and operation.path.startswith(_SERVED_MODEL_ROUTES)):
+                    body = {**body, "model": served}
                 raw = kwargs.get("data") or kwargs.get("content") or b""
                 payload = httpx.Request("POST", "http://x", json=body).content if body is not None else raw
                 headers = {k: str(v) for k, v in (kwargs.get("headers") or {}).items()
@@ -57,10 +74,11 @@ def _generated_cases(server: ServerProcess, examples: int, derandomize: bool) ->
     return cases, operations
 
 
-def _send(server: ServerProcess, case: HostileCase) -> tuple[str, int | None, str]:
+def _send(server: ServerProcess, case: HostileCase | RouteCase) -> tuple[str, int | None, str]:
+    method = case.method if isinstance(case, RouteCase) else "POST"
     try:
         with server.http(timeout=120.0) as client:
-            resp = client.post(case.path, content=case.body, headers=case.headers)
+            resp = client.request(method, case.path, content=case.body or None, headers=case.headers)
         return case.name, resp.status_code, resp.text[:300]
     except httpx.HTTPError as exc:
         return case.name, None, f"{type(exc).__name__}: {exc}"
@@ -70,8 +88,9 @@ def run_fuzz(server: ServerProcess, *, examples_per_operation: int = 70, workers
              derandomize: bool = True) -> FuzzResult:
     """Fuzz every POST route in both generation modes, then the hostile cases; count statuses.
     ``derandomize`` makes hypothesis generate the same cases every run (CI); the benchmark varies them."""
-    cases, operations = _generated_cases(server, examples_per_operation, derandomize)
-    cases += hostile_cases()
+    generated, operations = _generated_cases(server, examples_per_operation, derandomize)
+    cases: list[HostileCase | RouteCase] = [*generated, *hostile_cases(), *protocol_hostile_cases(),
+                                            *response_id_cases()]
     result = FuzzResult(operations=operations)
     with ThreadPoolExecutor(max_workers=workers) as pool:
         outcomes = list(pool.map(lambda c: _send(server, c), cases))
