@@ -196,6 +196,7 @@ class ChatFormatter:
         self._logprobs = logprobs
         self._reply = reply or ReplyFormat()
         self._replies: dict[int, ReplyStream] = {}  # choice index -> its reply so far
+        self._plain = self._reply.plan is None and self._reply.reasoning is None  # content passes through as is
 
     def prelude(self) -> Iterable[bytes]:
         for index in range(self._n):
@@ -210,7 +211,21 @@ class ChatFormatter:
             if reply.finished:
                 continue
             reason = o.finish_reason if o.finish_reason in NORMAL_FINISH else None
-            yield from self._choice_chunks(o.index, reply, o.text_delta, o.logprobs_delta, reason)
+            if self._plain:
+                yield from self._plain_chunks(o.index, reply, o.text_delta, o.logprobs_delta, reason)
+            else:
+                yield from self._choice_chunks(o.index, reply, o.text_delta, o.logprobs_delta, reason)
+
+    def _plain_chunks(self, index: int, reply: ReplyStream, text_delta: str, logprobs_delta: list | None,
+                      reason: str | None) -> Iterable[bytes]:
+        """No tools, no reasoning split: the delta is the content (the per-token fast path)."""
+        logprobs = chat_logprobs(logprobs_delta) if self._logprobs and logprobs_delta else None
+        if not (text_delta or reason or logprobs):
+            return
+        if reason:
+            reply.finished = True
+        delta = DeltaMessage(content=text_delta) if text_delta else DeltaMessage()
+        yield sse_model(self._chunk([ChatStreamChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=reason)]))
 
     def _choice_chunks(self, index: int, reply: ReplyStream, text_delta: str, logprobs_delta: list | None,
                        reason: str | None) -> Iterable[bytes]:

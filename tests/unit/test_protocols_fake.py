@@ -325,3 +325,30 @@ def test_store_bounds_count_bytes_and_age():
         small.put({"id": f"s{i}", "x": "y" * 50}, [], [])
     assert small.bytes_held <= 300 and small.get("s9") is not None and small.get("s0") is None
     assert store.delete("nope") is False
+
+
+# ---- a stream that fails midway ----------------------------------------------------------------
+
+
+def test_streams_that_time_out_end_with_each_protocols_error_event():
+    backend = ScriptedBackend(slots=2, max_batch_tokens=512, forward_sleep_s=0.02)
+    backend.set_script("word " * 200)
+    with live_server(_config(request_timeout_s=0.5), backend) as url:
+        with httpx.stream("POST", f"{url}/v1/responses", json={"input": "q", "stream": True}, timeout=30) as r:
+            events = [line.removeprefix("event: ") for line in r.iter_lines() if line.startswith("event: ")]
+        assert events[0] == "response.created" and events[-2:] == ["response.failed", "error"]
+        assert "response.completed" not in events
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=30)
+        with pytest.raises(openai.APIError):
+            with client.responses.stream(model="m", input="q") as stream:
+                list(stream)
+        with httpx.stream("POST", f"{url}/v1/messages", timeout=30,
+                          json={"model": "m", "max_tokens": 500, "stream": True, "messages": [{"role": "user", "content": "q"}]}) as r:
+            lines = list(r.iter_lines())
+        assert lines[0] == "event: message_start" and "event: error" in lines and "event: message_stop" not in lines
+        error = json.loads(lines[lines.index("event: error") + 1].removeprefix("data: "))
+        assert error["type"] == "error" and error["error"]["type"] == "timeout_error"
+        ant = anthropic.Anthropic(base_url=url, api_key="x", max_retries=0, timeout=30)
+        with pytest.raises(anthropic.APIError):
+            with ant.messages.stream(model="m", max_tokens=500, messages=[{"role": "user", "content": "q"}]) as stream:
+                list(stream)
