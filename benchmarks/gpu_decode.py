@@ -21,7 +21,7 @@ overrides). Targets (issue 11): batch 1 within 1.6x of the floor for 1B and
 
 Before measuring, each shape in ``--check-shapes`` compares cllm's logits with transformers' in float32
 on the same weights (prefill, a mixed prefill + decode step, graph-replayed decodes). Results on an
-H100: README "GPU" and notes/gpu/. On CPU it runs too, e.g.:
+H100: docs/gpu.md and benchmarks/results/gpu_h100/. On CPU it runs too, e.g.:
 
     .venv/bin/python benchmarks/gpu_decode.py --shapes smollm2-135m --batches 1 4 --steps 8 --device cpu
 """

@@ -7,7 +7,7 @@ Logits are drawn once per shape (a peaked distribution, as a language model's:
 Gumbel noise scaled so the top tokens dominate); each step samples a fresh copy
 (the sampler works in place, as on llama.cpp's output buffer).
 
-    .venv/bin/python benchmarks/sampler.py [--repeats 20] [--json notes/sampler.json]
+    .venv/bin/python benchmarks/sampler.py [--repeats 20] [--json sampler.json]
 
 Target (issue 8): <= 15 ms per step for 64 x 128,256 with top_p.
 """

@@ -336,7 +336,7 @@ def main() -> None:
                         help="the file llama-server loads instead of --model: e.g. the converted copy cllm runs (GET /v1/engine "
                              "'weights'), to compare the servers on equal weights")
     parser.add_argument("--cllm-defaults", action="store_true", help="start cllm serve without thread/slot/context flags")
-    parser.add_argument("--out", type=Path, default=REPO / "notes", help="where the JSON and markdown go")
+    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results", help="where the JSON and markdown go")
     parser.add_argument("--tag", default=None, help="file name tag (default: quick | full)")
     parser.add_argument("--png", type=Path, default=None, help="also write a PNG here (e.g. docs/vs_llama_server.png)")
     args = parser.parse_args()

@@ -10,7 +10,7 @@ quantise activations to 8 bits) it is not exact either.
 
 Speed is measured with llama.cpp's own tools built beside the comparator's llama-server
 (``make llama-batched-bench llama-bench`` in ``~/.cache/cllm/llama-server-<ver>/build``), see
-notes/perf-issue8.md, "Wave 11".
+benchmarks/results/performance_log_llama_cpp.md, "Wave 11".
 """
 from __future__ import annotations
 

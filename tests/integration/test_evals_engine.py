@@ -10,7 +10,7 @@ torch takes over a minute on a busy CI machine; measured on the real model
 logprobs differ from llama.cpp's by 0.02-0.07 nats on average (8-bit
 activations there).
 
-Tolerances (README, Reproducibility): llama.cpp quantises activations to 8 bits
+Tolerances (docs/reproducibility.md): llama.cpp quantises activations to 8 bits
 per row in its Q4_1 matmuls, so how a prompt is split into micro-batches and
 which sequences share a batch change rounding. A prompt evaluated alone in one
 chunk gives the reference's numbers to within float noise (TIGHT); chunked or

@@ -1,6 +1,6 @@
 """KV hand-off between two engines in one process, on the real embedded model (both backends).
 
-What is guaranteed (README, "Reproducibility"): the same requests in the same batch, same build and
+What is guaranteed (docs/reproducibility.md): the same requests in the same batch, same build and
 thread count, same prefix-cache state give bit-identical tokens. A hand-off keeps all of that: the
 request runs alone on both engines (1 thread each, prefix cache off), the second engine gets a
 byte-exact copy of the first one's KV and evaluates the same tokens in the same steps a single
@@ -123,7 +123,7 @@ def test_torch_hand_off_scatter_gathers_over_non_contiguous_blocks(torch_pair, t
     """Two requests decode together on A (so their block tables interleave), both move to B between
     the same two steps, and finish there in the same batch: every step evaluates what a single engine
     would. The reference runs on a third, fresh engine: the torch backend always caches prefixes,
-    and a cache hit changes how a prompt is evaluated (README, Reproducibility)."""
+    and a cache hit changes how a prompt is evaluated (docs/reproducibility.md)."""
     a, b = torch_pair
     params = cllm.SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     prompts = {"h": [5, 17, 42, 99, 7, 250, 31], "other": [64, 3, 128, 11, 200]}

@@ -12,7 +12,7 @@ from cllm.backends.llama_cpp.backend import LlamaCppBackend
 GREEDY = cllm.SamplingParams(max_tokens=32, temperature=0)
 GREEDY_FULL = cllm.SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)  # always 32 tokens: "length"
 GREEDY_LP = cllm.SamplingParams(max_tokens=32, temperature=0, logprobs=2)
-# What llama.cpp guarantees across batch composition and prefix-cache hits (see README,
+# What llama.cpp guarantees across batch composition and prefix-cache hits (see docs/reproducibility.md,
 # "Reproducibility"): the same logits up to float rounding, which the Q8 activation quantisation
 # of its CPU matmuls can amplify; measured differences reach 0.07 nats on this model.
 LOGPROB_TOL = 0.25
@@ -219,7 +219,7 @@ def test_abort_and_timeout_free_slots():
 
 
 def test_seeded_requests_reproduce_bit_exactly_under_the_same_conditions():
-    # The guarantee (README, "Reproducibility"): the same requests in the same batch with the same
+    # The guarantee (docs/reproducibility.md): the same requests in the same batch with the same
     # cache state give the same output, bit for bit; a seed's random stream never depends on
     # batch-mates (tests/unit/test_sampler.py). Across different batches only LOGPROB_TOL holds.
     seeded = cllm.SamplingParams(max_tokens=24, temperature=0.9, top_p=0.95, seed=1234)

@@ -115,7 +115,7 @@ def test_completion(server: ServerProcess) -> None:
 def test_completion_stream_equals_nonstream(server: ServerProcess) -> None:
     client = server.openai()
     # Warm the prefix cache first so both requests below evaluate the prompt the same way (a cache hit);
-    # only then is greedy output guaranteed bit-exact (README, Reproducibility).
+    # only then is greedy output guaranteed bit-exact (docs/reproducibility.md).
     client.completions.create(prompt=PROMPT, max_tokens=1, temperature=0, model="")
     full = client.completions.create(prompt=PROMPT, max_tokens=16, temperature=0, model="")
     chunks = list(client.completions.create(prompt=PROMPT, max_tokens=16, temperature=0, stream=True, model=""))
@@ -294,7 +294,7 @@ async def _stream_text(client: httpx.AsyncClient, prompt: str, max_tokens: int) 
     return text, finish, done, logprobs
 
 
-LOGPROB_TOL = 0.25  # see tests/integration/test_llama_cpp_engine.py and README, Reproducibility
+LOGPROB_TOL = 0.25  # see tests/integration/test_llama_cpp_engine.py and docs/reproducibility.md
 
 
 def _greedy_agree(a: dict, b: dict) -> bool:
@@ -312,7 +312,7 @@ def _greedy_agree(a: dict, b: dict) -> bool:
 
 def test_32_concurrent_streams_match_nonstream(server: ServerProcess) -> None:
     # Each prompt is unique, so a stream carrying another request's tokens would show. The two
-    # rounds batch differently, so outputs are equal except after a near-tie (README, Reproducibility).
+    # rounds batch differently, so outputs are equal except after a near-tie (docs/reproducibility.md).
     prompts = [f"{i}, {i + 1}, {i + 2}, {i + 3}," for i in range(100, 132)]
 
     async def run() -> tuple[list[Any], list[tuple[str, str | None, bool, dict]]]:
