@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import os
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -21,6 +23,7 @@ from cllm.backends.base import Admission, Backend, BackendCapacity, BackendError
 from cllm.backends.packing import pack_inputs
 from cllm.backends.torch.attention import SeqChunk, attention_mode, build_attention_batch, slot_mapping
 from cllm.backends.torch.block_manager import BlockManager
+from cllm.backends.torch.compile_errors import is_compile_error
 from cllm.backends.torch.cuda_graphs import DecodeGraphs, graph_buckets
 from cllm.backends.torch.device import resolve_device, resolve_dtype, resolve_fp16_weights
 from cllm.backends.torch.embedding import pooled_hidden_states
@@ -32,6 +35,8 @@ from cllm.backends.torch.model import CausalLM
 from cllm.backends.torch.tokenizer import HFTokenizer
 from cllm.config import CllmConfig
 from cllm.model_path import resolve_model_path
+
+log = logging.getLogger("cllm.torch")
 
 
 @dataclass(slots=True, frozen=True)
@@ -72,8 +77,18 @@ class TorchBackend(Backend):
         del loaded
         block_size = config.torch.block_size
         max_seqs, max_tokens = _step_limits(config, self.device)
-        max_len = _max_model_len(self.spec, _kv_tokens(config))
-        num_blocks = self._num_blocks(config, block_size, max_seqs, max_tokens, max_len)
+        if self.device.type == "cuda" and config.model.n_ctx is None:
+            # CUDA, n_ctx unset: the model's trained context, as far as the pool sized from memory holds it
+            # (at least CPU_KV_TOKENS must fit); it used to be capped at CPU_KV_TOKENS without a word.
+            trained = _max_model_len(self.spec, self.spec.max_position_embeddings)
+            num_blocks = self._num_blocks(config, block_size, max_seqs, max_tokens, min(trained, CPU_KV_TOKENS))
+            max_len = min(trained, num_blocks * block_size)
+            if max_len < trained:
+                log.info("context capped at %d tokens (the model was trained for %d): the KV pool holds no more; "
+                         "set n_ctx to choose", max_len, trained)
+        else:
+            max_len = _max_model_len(self.spec, _kv_tokens(config))
+            num_blocks = self._num_blocks(config, block_size, max_seqs, max_tokens, max_len)
         self.blocks = BlockManager(num_blocks=num_blocks, block_size=block_size)
         self._attention = attention_mode(config.torch.attention, self.device, block_size)
         # FlexAttention's eager fallback is dense over the whole pool: compiled on CUDA always, on CPU when asked.
@@ -89,9 +104,13 @@ class TorchBackend(Backend):
         self._capacity = BackendCapacity(
             max_num_seqs=max_seqs, max_batch_tokens=max_tokens, max_model_len=max_len, kv_tokens=num_blocks * block_size,
         )
+        # Attention of steps that replay no graph: the chosen mode, or SDPA once FlexAttention failed to compile.
+        self._eager_attention = self._attention
         self._graphs = self._decode_graphs(config, max_seqs)
         # Logits stay on the device (torch sampler) or come to the host (numpy sampler).
         self._device_sampling = config.torch.sampler == "torch" or (config.torch.sampler == "auto" and self.device.type == "cuda")
+        if self._attention == "flex" and (self.device.type == "cuda" or config.torch.torch_compile):
+            self._warm_up()
 
     def _decode_graphs(self, config: CllmConfig, max_seqs: int) -> DecodeGraphs | None:
         """Captured decode graphs: CUDA with FlexAttention and cuda_graphs on; None elsewhere."""
@@ -102,9 +121,63 @@ class TorchBackend(Backend):
             scratch_block=self._scratch_block, flex_fn=self._flex_fn, capture=True,
             q_per_kv=self.spec.num_heads // self.spec.num_kv_heads,
         )
-        with torch.inference_mode():
-            graphs.capture_all()
+        started = time.monotonic()
+        log.info("capturing %d CUDA graphs for decode steps (batch sizes %d..%d; about a second per 10)",
+                 len(graphs.buckets), graphs.buckets[0], graphs.buckets[-1])
+        try:
+            with torch.inference_mode():
+                graphs.capture_all()
+        except Exception as err:  # a capture or compile failure costs speed, never a request
+            log.warning("CUDA graph capture failed (%s: %s): decode steps run without graphs",
+                        type(err).__name__, str(err).splitlines()[0] if str(err) else "")
+            del graphs
+            torch.cuda.empty_cache()
+            return None
+        log.info("captured %d CUDA graphs in %.1f s", len(graphs.buckets), time.monotonic() - started)
         return graphs
+
+    def _warm_up(self) -> None:
+        """Run each kind of step whose attention is compiled once, before the engine says it is ready:
+        a chunk after a cached prefix (one and two sequences), decodes beside a chunk (one and two),
+        and a pure decode outside the graphs. FlexAttention is compiled with dynamic shapes, so one
+        call per kind compiles what every later size of it uses; a first request no longer waits
+        seconds for it (the first burst of 16 streams waited 5.4 s on an H200), and a compile failure
+        shows here, where it switches the eager steps to SDPA (see _forward_eager)."""
+        started = time.monotonic()
+        log.info("compiling attention kernels for prefill and mixed steps (about 10-40 s the first time)")
+        seqs = [f"__warm_up_{i}" for i in range(3)]
+        tokens = [[1 + (7 * i + j) % 97 for j in range(96)] for i in range(3)]
+        steps = [  # (sequence, tokens this step) per step; positions follow each sequence's KV
+            [(0, 40), (1, 40)],  # fresh prefills (SDPA's causal kernel, nothing compiled)
+            [(0, 20)],  # a chunk after a cached prefix
+            [(0, 17), (1, 33)],  # two of them
+            [(0, 1), (1, 5)],  # a decode beside a chunk
+            [(0, 1), (1, 1), (2, 30)],  # two decodes beside a fresh prefill
+            [(0, 1), (1, 1), (2, 1)],  # a pure decode, run without the graphs below
+        ]
+        try:
+            for i, s in enumerate(seqs):
+                if self.admit(s, tokens[i], reuse_prefix=False) is None or not self.reserve(s, len(tokens[i])):
+                    return  # no room to warm up in (a tiny pool): the first requests compile instead
+            done = [0, 0, 0]
+            graphs, self._graphs = self._graphs, None
+            try:
+                for step in steps:
+                    flat = [t for i, n in step for t in tokens[i][done[i]:done[i] + n]]
+                    pos = [p for i, n in step for p in range(done[i], done[i] + n)]
+                    ids = [seqs[i] for i, n in step for _ in range(n)]
+                    self.forward_batch(flat, pos, ids)
+                    for i, n in step:
+                        done[i] += n
+            except BackendError as err:  # not a compile failure (those fall back inside): requests will show it
+                log.warning("warm-up step failed: %s", err)
+                return
+            finally:
+                self._graphs = graphs
+        finally:
+            for s in seqs:
+                self.release(s, keep_cache=False)
+        log.info("attention kernels ready in %.1f s (%s)", time.monotonic() - started, self._eager_attention)
 
     def _num_blocks(self, config: CllmConfig, block_size: int, max_seqs: int, max_tokens: int, max_len: int) -> int:
         """CPU: n_ctx tokens. CUDA: what gpu_memory_utilization leaves after the weights (ValueError if
@@ -113,9 +186,11 @@ class TorchBackend(Backend):
             return -(-_kv_tokens(config) // block_size)
         s = self.spec
         itemsize = torch.empty((), dtype=self.dtype).element_size()
+        graphs = config.torch.cuda_graphs and self._attention == "flex"
         reserve = activation_bytes(
             max_batch_tokens=max_tokens, max_num_seqs=max_seqs, hidden=s.hidden_size, intermediate=s.intermediate_size,
             heads=s.num_heads, head_dim=s.head_dim, vocab=s.vocab_size, itemsize=itemsize,
+            graph_rows=min(config.torch.cuda_graph_max_batch, max_seqs) if graphs else 0,
         )
         per_block = block_size * kv_bytes_per_token(s.num_layers, s.num_kv_heads, s.head_dim, self.dtype)
         torch.cuda.empty_cache()  # blocks the allocator cached while converting weights are free, not "in use"
@@ -254,14 +329,27 @@ class TorchBackend(Backend):
                 if rows != list(range(len(chunks))):
                     logits = logits.index_select(0, self._to_device(np.asarray(rows, dtype=np.int64)))
                 return self._out(logits)
-        batch = build_attention_batch(
-            seq_chunks, self.kv, q_per_kv=self.spec.num_heads // self.spec.num_kv_heads, mode=self._attention,
-            flex_fn=self._flex_fn,
-        )
-        logits = self.model(
-            self._to_device(ids), self._to_device(pos), self.kv, batch, self._to_device(np.asarray(rows, dtype=np.int64))
-        )
-        return self._out(logits)
+        return self._out(self._forward_eager(ids, pos, seq_chunks, rows))
+
+    def _forward_eager(self, ids: np.ndarray, pos: np.ndarray, seq_chunks: list[SeqChunk], rows: list[int]) -> torch.Tensor:
+        """One step without a graph. If FlexAttention fails to compile for it, the step is run again with
+        SDPA (its K/V writes land in the same slots with the same values) and so is every later eager step:
+        a compile failure costs speed, never a request (logged once)."""
+        inputs = (self._to_device(ids), self._to_device(pos))
+        logit_rows = self._to_device(np.asarray(rows, dtype=np.int64))
+        q_per_kv = self.spec.num_heads // self.spec.num_kv_heads
+        batch = build_attention_batch(seq_chunks, self.kv, q_per_kv=q_per_kv, mode=self._eager_attention,
+                                      flex_fn=self._flex_fn)
+        try:
+            return self.model(*inputs, self.kv, batch, logit_rows)
+        except Exception as err:
+            if self._eager_attention != "flex" or not is_compile_error(err):
+                raise
+            log.warning("FlexAttention failed to compile for a %d-token step (%s: %s); steps without a CUDA graph "
+                        "use SDPA from now on", len(ids), type(err).__name__, str(err).splitlines()[0] if str(err) else "")
+            self._eager_attention = "sdpa"
+        batch = build_attention_batch(seq_chunks, self.kv, q_per_kv=q_per_kv, mode="sdpa")
+        return self.model(*inputs, self.kv, batch, logit_rows)
 
     def _out(self, logits: torch.Tensor) -> np.ndarray | torch.Tensor:
         """The step's logits for the engine: left on the device for the torch sampler, else a numpy copy."""

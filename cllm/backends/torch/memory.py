@@ -44,11 +44,13 @@ def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype:
 
 
 def activation_bytes(*, max_batch_tokens: int, max_num_seqs: int, hidden: int, intermediate: int, heads: int,
-                     head_dim: int, vocab: int, itemsize: int) -> int:
-    """Upper estimate of one step's live activations (the largest layer's, plus float32 logits twice:
-    the LM head's output and the sampler's working copy)."""
+                     head_dim: int, vocab: int, itemsize: int, graph_rows: int = 0) -> int:
+    """Upper estimate of what a step allocates besides the weights and the KV pool: the largest layer's
+    activations, float32 logits twice (the LM head's output and the sampler's working copy), and the
+    captured decode graphs' shared float32 logits buffer (``graph_rows`` rows: the largest bucket).
+    The pool is sized before the graphs are captured, so what they keep must be counted here."""
     per_token = hidden * 3 + intermediate * 3 + heads * head_dim * 3  # residual, norm, MLP gate|up + act, qkv
-    return max_batch_tokens * per_token * itemsize + 2 * max_num_seqs * vocab * 4
+    return max_batch_tokens * per_token * itemsize + (2 * max_num_seqs + graph_rows) * vocab * 4
 
 
 def check_startup_free(memory: DeviceMemory, utilization: float) -> None:
