@@ -10,7 +10,6 @@ Errors leave in Anthropic's shape (anthropic_errors.py).
 from __future__ import annotations
 
 import json
-import uuid
 from collections.abc import Iterable
 from typing import Any
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from cllm.server.anthropic_protocol import AnthropicMessage, CountTokensRequest
 from cllm.server.errors import APIError, bad_request
 from cllm.server.protocol import ChatMessage
-from cllm.server.anthropic_protocol import AnthropicMessage, CountTokensRequest
 
 
 def _unsupported(message: str, param: str) -> APIError:

@@ -8,7 +8,6 @@ constraint, template rendering with role-injection safety, sampling params, reas
 """
 from __future__ import annotations
 
-import functools
 import logging
 import time
 import uuid
@@ -43,7 +42,7 @@ from cllm.server.protocol import (
     ToolCallModel,
     UsageInfo,
 )
-from cllm.server.reasoning import ReasoningFormat, resolve_format
+from cllm.server.reasoning import resolve_format
 from cllm.server.reply import NORMAL_FINISH, ReplyFormat, ReplyStream, read_reply
 from cllm.server.sampling import build_sampling_params
 from cllm.server.serving import ResponseMeta, SSEFraming, StreamFormatter, respond, total_usage
@@ -104,11 +103,6 @@ class ChatJob:
     meta: ResponseMeta  # id / created / model of every body and chunk
 
 
-@functools.lru_cache(maxsize=16)
-def _reasoning_format(setting: str, template: str | None) -> ReasoningFormat | None:
-    return resolve_format(setting, template)
-
-
 def _rename_param(exc: APIError, params: dict[str, str]) -> APIError:
     """The error with the request field spelled as the client's protocol spells it."""
     if exc.param is not None:
@@ -156,7 +150,7 @@ def _reply_format(engine: Any, prompt: list[int], plan: ToolPlan | None, setting
                   constrained: bool) -> ReplyFormat:
     """Tools and reasoning markers for reading the reply. A constrained reply (JSON schema, grammar, a
     forced call) has no reasoning block: the constraint holds from the first token."""
-    fmt = None if constrained else _reasoning_format(settings.reasoning_parser, engine.tokenizer.chat_template)
+    fmt = None if constrained else resolve_format(settings.reasoning_parser, engine.tokenizer.chat_template)
     opened = False
     if fmt is not None:
         opened = fmt.opened_by(engine.tokenizer.decode(prompt[-_PROMPT_TAIL_TOKENS:]))
