@@ -100,6 +100,9 @@ class Backend(ABC):
     """An inference runtime the scheduler drives. See the module docstring."""
 
     name: str = "base"
+    # True when forward_batch returns before the device has finished (logits still being computed, e.g.
+    # CUDA): the engine then does the previous step's host-side text work in that time (LLMEngine.step).
+    overlaps_host_work: bool = False
 
     @property
     @abstractmethod

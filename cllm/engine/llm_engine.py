@@ -27,7 +27,7 @@ from cllm.outputs import EmbeddingOutput, RequestOutput
 from cllm.request import Request, RequestStatus
 from cllm.sampling.params import SamplingParams
 from cllm.sampling.dispatch import sample_logits, stack_rows
-from cllm.sampling.sampler import SamplingRow
+from cllm.sampling.sampler import SampledToken, SamplingRow
 from cllm.scheduler.output import ScheduledChunk, SchedulerOutput
 from cllm.scheduler.scheduler import Scheduler
 from cllm.structured import StructuredOutputs
@@ -57,6 +57,11 @@ class LLMEngine:
         self._generated_tokens = 0
         self._ids = itertools.count()
         self.num_handed_off = 0  # requests exported to another engine
+        # Text work deferred to the next step's forward pass (see step()): (group, choice, token) in order,
+        # and the outputs it made, for step() to return.
+        self._defer_text = self.backend.overlaps_host_work
+        self._deferred: list[tuple[RequestGroup, int, SampledToken]] = []
+        self._ready: list[RequestOutput] = []
 
     # ------------------------------------------------------------- requests
     def apply_chat_template(self, messages: Sequence[dict], add_generation_prompt: bool = True,
@@ -208,12 +213,17 @@ class LLMEngine:
         group = self._groups.get(request_id)
         if group is None:
             return None
+        self._flush_text()
+        if request_id not in self._groups:  # it finished with the text just flushed
+            final = [o for o in self._ready if o.request_id == request_id and o.finished]
+            return final[-1] if final else None
         for child in group.children:
             self.scheduler.abort(child.request_id)
         return self._collect([group])[0]
 
     def export_request(self, request_id: str) -> tuple[RequestSnapshot, list[bytes]]:
         """Take a live n=1 request out for a hand-off: its snapshot and KV segments (cllm.engine.migration)."""
+        self._flush_text()
         return migration.export_request(self, request_id)
 
     def import_request(self, snapshot: RequestSnapshot, segments: list[bytes]) -> str:
@@ -235,14 +245,34 @@ class LLMEngine:
 
     # ----------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
-        """Run one batch; returns an output for every request that changed."""
+        """Run one batch; returns an output for every request that changed.
+
+        On a backend whose forward runs asynchronously (the torch backend on CUDA: ``overlaps_host_work``),
+        the text work of a step's tokens (detokenising, logprob entries, the outputs) is done during the
+        *next* step's forward pass, which it then no longer delays; those outputs come one step later.
+        Only tokens of requests without stop strings are deferred, so nothing deferred can change which
+        requests run next (EOS, stop token ids, max_tokens and grammars are all settled at once)."""
         out = self.scheduler.schedule()
         touched: dict[str, RequestGroup] = {}
         for req in out.finished + out.preempted:
             self._touch(touched, req)
         if not out.is_empty:
             self._run(out, touched)
-        return self._collect(list(touched.values()))
+        if not self._defer_text or out.is_empty:
+            self._flush_text()
+        ready, self._ready = self._ready, []
+        return ready + self._collect(list(touched.values()))
+
+    def _flush_text(self) -> None:
+        """Detokenise the deferred tokens and make their groups' outputs (kept for step() to return)."""
+        if not self._deferred:
+            return
+        deferred, self._deferred = self._deferred, []
+        groups: dict[str, RequestGroup] = {}
+        for group, index, sampled in deferred:
+            group.on_token(index, sampled)
+            groups[group.group_id] = group
+        self._ready += self._collect(list(groups.values()))
 
     def _run(self, out: SchedulerOutput, touched: dict[str, RequestGroup]) -> None:
         sampled_reqs = [c.request for c in out.chunks if c.sample]
@@ -262,6 +292,9 @@ class LLMEngine:
                 return
             # Which sequence broke the batch is unknown: rerun each alone so only the culprit fails.
             logits, sampled_reqs = self._forward_one_by_one(out.chunks, touched)
+        finally:
+            if self._defer_text:
+                self._flush_text()  # the previous step's text work, while this forward runs on the device
         for c in out.chunks:  # decodes (start past the prompt) add nothing: skipped cheaply
             n_prompt = len(c.request.prompt_token_ids)
             if c.start < n_prompt and not c.request.status.is_finished:
@@ -317,6 +350,11 @@ class LLMEngine:
             if req.metrics.first_token_time is None:
                 req.metrics.first_token_time = now
             req.metrics.last_token_time = now
+            if self._defer_text and not req.params.stop:  # (stop strings decide the next step: never deferred)
+                self._deferred.append((group, index, by_id[req.request_id]))
+                if self.structured.accept(req) and req.status is RequestStatus.RUNNING:
+                    self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)  # the grammar is complete
+                continue
             stop = group.on_token(index, by_id[req.request_id])
             if stop is not None and req.status is RequestStatus.FINISHED_LENGTH:
                 req.status = RequestStatus.FINISHED_STOPPED  # the last allowed token completed a stop string
@@ -345,7 +383,12 @@ class LLMEngine:
 
     def _collect(self, groups: list[RequestGroup]) -> list[RequestOutput]:
         outputs = []
+        pending = {g.group_id for g, _, _ in self._deferred} if self._deferred else ()
         for group in groups:
+            if group.group_id not in self._groups:
+                continue  # its final output went out already (with deferred text, earlier this step)
+            if group.group_id in pending:
+                continue  # text still to come: its output is made when it is flushed
             outputs.append(group.make_output())
             if group.finished:
                 self._forget(group)

@@ -61,7 +61,7 @@ def test_greedy_with_bias_penalties_min_tokens_and_logprobs_matches_numpy():
                 assert g.logprob == pytest.approx(r.logprob, abs=1e-4)
                 assert g.top_ids == r.top_ids
                 assert np.allclose(g.top_logprobs, r.top_logprobs, atol=1e-4)
-        assert len(got[4].top_ids) == 3 and got[5].top_ids == []
+        assert len(got[4].top_ids) == 3 and not got[5].top_ids
 
 
 def test_bias_and_penalties_change_the_pick_as_numpy_does():

@@ -1,0 +1,86 @@
+"""Deferred text work (LLMEngine.step on a backend that overlaps host work, as the torch backend on
+CUDA): the same outputs as without it, one step later; stop strings are never deferred."""
+from __future__ import annotations
+
+import asyncio
+
+import cllm
+from cllm.outputs import RequestOutput
+from tests.unit.fakes import FakeBackend, fake_config, run_all
+
+
+def _engine(overlap: bool) -> cllm.LLM:
+    backend = FakeBackend(slots=4)
+    backend.overlaps_host_work = overlap
+    return cllm.LLM(backend=backend, config=fake_config())
+
+
+def _streamed(engine, prompts, params) -> tuple[dict[str, RequestOutput], dict, dict]:
+    ids = [engine.add_request(p, params, request_id=f"r{i}") for i, p in enumerate(prompts)]
+    texts: dict[tuple[str, int], list[str]] = {}
+    tokens: dict[tuple[str, int], list[int]] = {}
+    final = {}
+    for _ in range(1000):
+        if not engine.has_unfinished():
+            break
+        for out in engine.step():
+            assert out.request_id not in final, "an output after the final one"
+            for o in out.outputs:
+                texts.setdefault((out.request_id, o.index), []).append(o.text_delta)
+                tokens.setdefault((out.request_id, o.index), []).extend(o.token_ids_delta)
+            if out.finished:
+                final[out.request_id] = out
+    return final, texts, tokens
+
+
+def test_deferred_text_gives_the_same_outputs() -> None:
+    prompts = [[1, 2, 3], [10, 11], [60, 61, 62, 5]]  # 60-62: the bytes of a multi-byte character
+    cases = [cllm.SamplingParams(max_tokens=9, temperature=0),
+             cllm.SamplingParams(max_tokens=9, temperature=0, stop=["gh"]),
+             cllm.SamplingParams(max_tokens=6, temperature=0.8, seed=3, n=2, logprobs=2)]
+    for params in cases:
+        plain, deferred = _engine(False), _engine(True)
+        a, ta, ka = _streamed(plain.engine, prompts, params)
+        b, tb, kb = _streamed(deferred.engine, prompts, params)
+        assert sorted(a) == sorted(b)
+        for rid in a:
+            for x, y in zip(a[rid].outputs, b[rid].outputs):
+                assert (x.text, x.token_ids, x.finish_reason, x.stop_reason) == (y.text, y.token_ids, y.finish_reason, y.stop_reason)
+                assert [lp.token_id for lp in x.logprobs or []] == [lp.token_id for lp in y.logprobs or []]
+            for o in b[rid].outputs:  # streamed deltas add up to the final output
+                assert "".join(tb[rid, o.index]) == o.text and kb[rid, o.index] == o.token_ids
+        assert plain.engine.scheduler.requests == {} and deferred.engine.scheduler.requests == {}
+
+
+def test_deferred_text_still_aborts_and_streams_through_asyncllm() -> None:
+    async def main() -> tuple[str, int]:
+        backend = FakeBackend(slots=2, forward_sleep_s=0.001)
+        backend.overlaps_host_work = True
+        engine = cllm.AsyncLLM(backend=backend, config=fake_config())
+        try:
+            text = ""
+            async for out in engine.generate([1, 2], cllm.SamplingParams(max_tokens=12, temperature=0)):
+                text += out.outputs[0].text_delta
+            seen = 0
+            async for out in engine.generate([3], cllm.SamplingParams(max_tokens=500, temperature=0)):
+                seen += len(out.outputs[0].token_ids_delta)
+                if seen >= 5:
+                    break  # closing the stream aborts the request
+            for _ in range(200):
+                if not engine.engine.has_unfinished():
+                    break
+                await asyncio.sleep(0.01)
+            return text, len(backend.held)
+        finally:
+            await engine.shutdown()
+
+    text, held = asyncio.run(main())
+    assert text == "defghijklmno"  # tokens 3..14 after [1, 2]: the counting model's next ids, as letters
+    assert held == 0
+
+
+def test_run_all_on_deferred_engine_finishes() -> None:
+    llm = _engine(True)
+    llm.engine.add_request([1], cllm.SamplingParams(max_tokens=3, temperature=0))
+    final = run_all(llm.engine)
+    assert [o.outputs[0].token_ids for o in final.values()] == [[2, 3, 4]]
