@@ -53,6 +53,7 @@ class ReplyStream:
     def __init__(self, fmt: ReplyFormat) -> None:
         self._reasoning = ReasoningSplitter(fmt.reasoning, opened=fmt.reasoning_opened) if fmt.reasoning else None
         self._tools = ToolCallStream(fmt.plan) if fmt.plan is not None and fmt.plan.active else None
+        self._held = ""  # with tools: trailing whitespace of the content, sent once more text follows it
         self.finished = False
 
     def feed(self, text: str) -> ReplyDelta:
@@ -73,12 +74,20 @@ class ReplyStream:
             out.content = self._content(split.content)
         if self._tools is not None:
             rest, calls = self._tools.finish()
-            out.content += rest
+            tail = self._held + rest
+            self._held = ""
+            # Whitespace between the text and a call is no content (the plain reply strips it too).
+            out.content += tail.rstrip() if calls else tail
             out.tool_calls = calls
         return out
 
     def _content(self, text: str) -> str:
-        return self._tools.feed(text) if self._tools is not None and text else text
+        if self._tools is None or not text:
+            return text
+        pending = self._held + self._tools.feed(text)
+        body = pending.rstrip()
+        self._held = pending[len(body):]
+        return body
 
 
 def read_reply(text: str, fmt: ReplyFormat) -> Reply:

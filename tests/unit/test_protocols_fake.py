@@ -116,6 +116,8 @@ def test_responses_function_call_round_trip_streamed_and_not(served, oai):
     done = [e for e in events if e.type == "response.function_call_arguments.done"]
     assert len(done) == 1 and json.loads(done[0].arguments) == {"city": "Paris"}
     assert [item.type for item in final.output] == ["reasoning", "message", "function_call"]
+    assert [(i.type, getattr(i, "content", None) and i.content[0].text) for i in final.output[:2]] == \
+        [(i.type, getattr(i, "content", None) and i.content[0].text) for i in made.output[:2]]
     # The call's output fed back: the model sees it in its prompt.
     _script(served, "It is sunny in Paris.")
     backend = served[0]

@@ -121,7 +121,7 @@ def test_tool_calls_after_thinking_parse_streamed_and_not(step):
         assert "<tool_call>" not in d.content
     end = stream.finish()
     assert reasoning + end.reasoning == whole.reasoning
-    assert (content + end.content).strip() == whole.content
+    assert content + end.content == whole.content
     assert [(c.name, c.arguments) for c in end.tool_calls] == [(c.name, c.arguments) for c in whole.tool_calls]
 
 
