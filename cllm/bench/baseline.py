@@ -69,6 +69,8 @@ class LlamaCppPythonTarget:
         """Load the model as a llama-cpp-python user would, on the target's own thread."""
         import llama_cpp
 
+        import cllm.backends.llama_cpp.native  # noqa: F401 - its AMX workaround covers this Llama too
+
         executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llama-cpp-python")
         llama = executor.submit(
             llama_cpp.Llama, str(model_path), n_ctx=n_ctx, n_batch=n_batch, n_threads=n_threads,

@@ -11,6 +11,7 @@ import logging
 import threading
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import llama_cpp as C
 import numpy as np
@@ -56,15 +57,42 @@ def _amx_build() -> bool:
     return b"AMX_INT8 = 1" in C.llama_print_system_info()
 
 
+def _without_extra_buffers(default_params: Any) -> Any:
+    def params() -> C.llama_model_params:
+        out = default_params()
+        out.use_extra_bufts = False
+        return out
+    return params
+
+
+def avoid_amx_extra_buffers() -> None:
+    """On an AMX build, load every model of this process without llama.cpp's extra buffer types.
+
+    A native build on an AMX CPU (a Sapphire Rapids Xeon, 2026-11-26) puts the weights in the AMX
+    "extra" buffer type, and llama_decode of any batch of more than one token then crashed the process
+    (SIGSEGV; one-token prompts ran). Without extra buffer types the same build runs correctly on the
+    plain CPU kernels. llama-cpp-python's own ``Llama`` (the benchmarks' baseline, the tests' reference
+    models) reads the defaults through the same function, so both bindings of it are wrapped, once.
+    Idempotent; nothing changes on a build without AMX.
+    """
+    import llama_cpp.llama_cpp as low_level
+
+    if getattr(low_level, "_cllm_without_extra_buffers", False) or not _amx_build():
+        return
+    if not hasattr(C.llama_model_default_params(), "use_extra_bufts"):
+        return  # an older llama.cpp: nothing to turn off
+    for module in {C, low_level}:
+        module.llama_model_default_params = _without_extra_buffers(module.llama_model_default_params)
+    low_level._cllm_without_extra_buffers = True
+
+
+avoid_amx_extra_buffers()
+
+
 def model_params(*, n_gpu_layers: int) -> C.llama_model_params:
     """llama.cpp's default model params with our offload choice (see offload.resolve_gpu_layers)."""
     params = C.llama_model_default_params()
     params.n_gpu_layers = n_gpu_layers
-    # A native build on an AMX CPU (Sapphire Rapids Xeon, 2026-11-26) puts the weights in the AMX "extra"
-    # buffer type, and llama_decode of any batch of more than one token then crashed the process (SIGSEGV;
-    # one-token prompts ran). Without extra buffer types the same build runs correctly (plain CPU kernels).
-    if hasattr(params, "use_extra_bufts") and _amx_build():
-        params.use_extra_bufts = False
     return params
 
 
