@@ -67,6 +67,12 @@ def test_chat_reasoning_split_streamed_equals_non_streamed(served, oai):
             reasoning += (choice.delta.model_extra or {}).get("reasoning_content") or ""
             assert "<" not in (choice.delta.content or "")  # no piece of a marker leaks into content
     assert (reasoning, content) == ("The user greets me.", "Hello there!")
+    per_choice: dict[int, list[str]] = {0: ["", ""], 1: ["", ""]}
+    for chunk in oai.chat.completions.create(model="m", messages=messages, stream=True, n=2):
+        for choice in chunk.choices:
+            per_choice[choice.index][0] += (choice.delta.model_extra or {}).get("reasoning_content") or ""
+            per_choice[choice.index][1] += choice.delta.content or ""
+    assert per_choice == {0: ["The user greets me.", "Hello there!"], 1: ["The user greets me.", "Hello there!"]}
 
 
 def test_chat_tool_call_after_thinking(served, oai):
@@ -238,6 +244,10 @@ def test_messages_stop_sequence_and_max_tokens(served, ant):
     assert (made.stop_reason, made.stop_sequence, made.content[0].text) == ("stop_sequence", "STOP", "one two ")
     short = ant.messages.create(model="m", max_tokens=3, messages=[{"role": "user", "content": "x"}])
     assert short.stop_reason == "max_tokens"
+    with ant.messages.stream(model="m", max_tokens=100, stop_sequences=["STOP"],
+                             messages=[{"role": "user", "content": "x"}]) as stream:
+        final = stream.get_final_message()
+    assert (final.stop_reason, final.stop_sequence, final.content[0].text) == ("stop_sequence", "STOP", "one two ")
 
 
 def test_messages_count_tokens_matches_usage(served, ant):
