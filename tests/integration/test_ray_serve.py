@@ -24,7 +24,7 @@ from ray import serve
 import cllm
 from cllm.cluster import app as cluster_app
 from cllm.cluster.stats_board import ReplicaReport, stats_board
-from cllm.cluster.transport import HOLDER_NAME, HolderClient, publish, receive
+from cllm.cluster.transport import HOLDER_NAME, HolderClient, chunks_lost, publish, receive
 from cllm.handoff.transfer import KVReceiver
 from cllm.stress import verdicts
 from cllm.stress.holder_kill import run_holder_kill
@@ -144,6 +144,39 @@ def test_object_store_transfer_interrupted_resumes_and_completes(cluster, refere
             for out in other.engine.step():
                 final = out
         assert final.outputs[0].text == expected
+
+
+def _is_dead(actor) -> bool:
+    try:
+        ray.get(actor.held.remote(), timeout=5)
+    except ray.exceptions.RayActorError:
+        return True
+    return False
+
+
+def test_a_killed_holder_is_resolved_again_and_its_chunks_are_got_or_reported_lost(cluster, reference):
+    """What the replicas rely on when the holder dies (issue 27 item 1): a HolderClient whose handle
+    died resolves the holder again by name and publishes; fetching the dead holder's chunks either
+    still works (on one node the object store keeps them) or raises a lost-object error, on which the
+    receiver recomputes the KV instead of retrying forever."""
+    reference.engine.add_request("A list of the planets:", cllm.SamplingParams(max_tokens=8, temperature=0),
+                                 request_id="k")
+    for _ in range(4):
+        reference.engine.step()
+    snapshot, segments = reference.engine.export_request("k")
+    holder = HolderClient()
+    ticket = asyncio.run(publish(snapshot, segments, 16 * 1024, holder))
+    dead = holder.handle
+    ray.kill(dead, no_restart=True)
+    wait_for(lambda: _is_dead(dead), "the holder to die", 30)
+    try:
+        assert asyncio.run(asyncio.wait_for(receive(ticket, KVReceiver(ticket.header)), 60)) == segments
+    except Exception as err:
+        assert chunks_lost(err), repr(err)
+    again = asyncio.run(publish(snapshot, segments, 16 * 1024, holder))
+    assert holder.handle is not dead
+    assert asyncio.run(asyncio.wait_for(receive(again, KVReceiver(again.header)), 60)) == segments
+    holder.release(again.header.transfer_id)
 
 
 def test_routes_streaming_errors_and_greedy_output(cluster, reference):
