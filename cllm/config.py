@@ -112,6 +112,7 @@ class ServerConfig(_Section):
     max_body_bytes: int = Field(1 << 20, ge=1024, description="largest request body")
     max_sequences_per_request: int = Field(64, ge=1, le=1 << 16, description="most sequences (prompts x n) one request may queue; more is a 400, so one request cannot fill the waiting queue")
     max_sequences_per_client: int | None = Field(256, ge=1, description="most sequences one client (remote address) may have queued or running at once; beyond it 429 with Retry-After, so one client cannot fill max_waiting; None = no cap")
+    max_compiles_per_client: int | None = Field(2, ge=1, description="cold grammar compiles (a new json_schema, grammar, regex or forced tool call) one client (remote address) may have running at once; beyond it 429 with Retry-After, so one client cannot occupy the compiler; None = no cap")
     allow_client_priority: bool = Field(False, description="honour a request's `priority` field (with policy: priority); when false a non-zero priority is a 400, so clients cannot jump the queue")
     keep_alive_timeout_s: float = Field(5.0, gt=0, description="close an idle keep-alive connection after this long")
     header_read_timeout_s: float = Field(10.0, gt=0, description="close a connection whose request line and headers take longer than this to arrive (slowloris)")

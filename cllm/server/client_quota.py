@@ -8,11 +8,13 @@ cannot tell them apart (behind a proxy, every client is the proxy; set the cap a
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from starlette.requests import Request
 
 from cllm.server.errors import APIError, bad_request
+from cllm.structured.limits import charge_compiles_to
 
 # How long a client over its share should wait before retrying (its own requests must finish first).
 CLIENT_RETRY_AFTER_S = 2
@@ -25,6 +27,9 @@ class AdmissionPolicy:
     max_sequences_per_request: int  # prompts x n of one request
     max_sequences_per_client: int | None  # queued + running sequences of one client; None = no cap
     allow_client_priority: bool  # whether a request may set a non-zero `priority`
+    # Cold grammar compiles (json_schema, grammar, regex, forced tool calls) one client may have
+    # running at once; None = no cap. A compile counts until it really ends, past its time budget too.
+    max_compiles_per_client: int | None = 2
 
 
 class ClientLease:
@@ -48,6 +53,7 @@ class ClientQuota:
         self.policy = policy
         self._lock = threading.Lock()
         self._in_flight: dict[str, int] = {}
+        self._compiling: dict[str, int] = {}  # client -> cold grammar compiles running
 
     def in_flight(self, client: str) -> int:
         with self._lock:
@@ -66,7 +72,11 @@ class ClientQuota:
             raise bad_request(f"invalid priority={priority}: this server does not let clients set a priority "
                               "(allow_client_priority is off)", param="priority")
         client = request.client.host if request.client is not None else "unknown"
-        return self._acquire(client, num_sequences), priority or 0
+        lease = self._acquire(client, num_sequences)
+        # The request's cold grammar compiles (run later, in a thread that inherits this context)
+        # are charged to this client too (issue 27 item 12).
+        charge_compiles_to(_ClientCompiles(self, client))
+        return lease, priority or 0
 
     def _acquire(self, client: str, count: int) -> ClientLease:
         cap = self.policy.max_sequences_per_client
@@ -88,3 +98,44 @@ class ClientQuota:
                 self._in_flight[client] = left
             else:
                 self._in_flight.pop(client, None)
+
+    def compiling(self, client: str) -> int:
+        with self._lock:
+            return self._compiling.get(client, 0)
+
+    def begin_compile(self, client: str) -> Callable[[], None]:
+        """Charge one cold compile to ``client`` (429 past its cap); returns the idempotent release."""
+        cap = self.policy.max_compiles_per_client
+        with self._lock:
+            held = self._compiling.get(client, 0)
+            if cap is not None and held >= cap:
+                raise APIError(429, f"too many grammar compiles in flight from this client ({held} of {cap}): new "
+                               "json_schema / grammar / regex constraints compile one at a time per client; wait for "
+                               "earlier requests, or reuse a schema (compiled ones are cached)",
+                               code="client_compile_quota_exceeded", headers={"Retry-After": str(CLIENT_RETRY_AFTER_S)})
+            self._compiling[client] = held + 1
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            with self._lock:
+                if released:
+                    return
+                released = True
+                left = self._compiling.get(client, 0) - 1
+                if left > 0:
+                    self._compiling[client] = left
+                else:
+                    self._compiling.pop(client, None)
+        return release
+
+
+@dataclass(slots=True, frozen=True)
+class _ClientCompiles:
+    """The CompilePayer of one request: its client's share of compiles."""
+
+    quota: ClientQuota  # whose counts
+    client: str  # the remote address charged
+
+    def begin_compile(self) -> Callable[[], None]:
+        return self.quota.begin_compile(self.client)

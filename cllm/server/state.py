@@ -60,6 +60,7 @@ class ServerState:
             max_sequences_per_request=server.max_sequences_per_request,
             max_sequences_per_client=server.max_sequences_per_client,
             allow_client_priority=server.allow_client_priority,
+            max_compiles_per_client=server.max_compiles_per_client,
         ))
 
     def engine_stats(self) -> Any | None:

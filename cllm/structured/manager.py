@@ -12,6 +12,7 @@ from cllm.backends.base import Tokenizer
 from cllm.request import Request
 from cllm.sampling.params import SamplingParams
 from cllm.structured.cache import GrammarCache
+from cllm.structured.limits import DEFAULT_LIMITS, ConstraintLimits
 
 
 @dataclass(slots=True)
@@ -35,8 +36,8 @@ class StructuredOutputs:
     ``start_fill`` before the forward pass, ``apply`` to the logits, ``accept`` after sampling,
     ``remove`` when a sequence ends."""
 
-    def __init__(self, tokenizer: Tokenizer, cache_size: int) -> None:
-        self.cache = GrammarCache(tokenizer, cache_size)
+    def __init__(self, tokenizer: Tokenizer, cache_size: int, limits: ConstraintLimits = DEFAULT_LIMITS) -> None:
+        self.cache = GrammarCache(tokenizer, cache_size, limits)
         self._vocab_size = tokenizer.vocab_size
         self._tracked: dict[str, _Tracked] = {}
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None  # the mask-filling thread
@@ -146,6 +147,7 @@ class StructuredOutputs:
     def close(self) -> None:
         self._settle()
         self._tracked.clear()
+        self.cache.close()
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None

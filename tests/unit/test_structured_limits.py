@@ -79,3 +79,152 @@ def test_json_object_mode_is_bounded_too():
     params = SamplingParams(json_object=True)
     assert accepts(params, '{"n": ' + "7" * 16 + "}", complete=True)
     assert not accepts(params, '{"n": ' + "7" * 17)
+
+
+# ---- item 12: hostile constraints -----------------------------------------------------------------
+
+import contextvars  # noqa: E402
+import threading  # noqa: E402
+import time  # noqa: E402
+
+from cllm.structured.limits import (  # noqa: E402
+    CompileBusyError,
+    CompileTimeoutError,
+    ConstraintLimits,
+    charge_compiles_to,
+)
+
+
+def nested_schema(levels: int) -> dict:
+    schema: dict = {"type": "integer"}
+    for _ in range(levels):
+        schema = {"type": "array", "items": schema, "maxItems": 1}
+    return schema
+
+
+def test_deeply_nested_schema_and_grammar_are_400s_naming_the_field():
+    cache = GrammarCache(ByteVocab(), 4)
+    with pytest.raises(ValueError, match=r"invalid json_schema=<nested \d+ levels deep>: deeper than the 40 levels"):
+        cache.get(SamplingParams(json_schema=nested_schema(60)))
+    with pytest.raises(ValueError, match=r"invalid grammar=<nested 50 levels deep>"):
+        cache.get(SamplingParams(grammar="root ::= " + "(" * 50 + '"a"' + ")" * 50))
+    with pytest.raises(ValueError, match=r"invalid regex=<nested 45 levels deep>"):
+        cache.get(SamplingParams(regex="(" * 45 + "a" + ")" * 45))
+    cache.get(SamplingParams(json_schema=nested_schema(10)))  # ordinary nesting compiles
+    cache.get(SamplingParams(grammar='root ::= "(((((" [(]'))  # brackets in literals are no nesting
+
+
+def test_oversized_constraint_is_a_400_before_any_compile():
+    cache = GrammarCache(ByteVocab(), 4)
+    props = {f"field_{i}": {"type": "string", "description": "x" * 200} for i in range(1500)}
+    with pytest.raises(ValueError, match=r"invalid json_schema=<\d+ bytes>: larger than the 262144 bytes"):
+        cache.get(SamplingParams(json_schema={"type": "object", "properties": props}))
+    assert cache.misses == 0
+
+
+def _slow(cache: GrammarCache, seconds: float) -> None:
+    compile_ = cache._compile
+
+    def slow(key, params):
+        time.sleep(seconds)
+        return compile_(key, params)
+    cache._compile = slow
+
+
+def test_a_compile_past_its_budget_fails_fast_and_finishes_in_the_background():
+    cache = GrammarCache(ByteVocab(), 4, ConstraintLimits(compile_timeout_s=0.2))
+    _slow(cache, 1.0)
+    params = SamplingParams(regex="[a-z]+")
+    start = time.perf_counter()
+    with pytest.raises(CompileTimeoutError, match=r"invalid regex='\[a-z\]\+': compiling it takes longer than this server's 0.2 s budget"):
+        cache.get(params)
+    assert time.perf_counter() - start < 0.8
+    deadline = time.perf_counter() + 5
+    while cache.misses == 0 and time.perf_counter() < deadline:
+        time.sleep(0.05)
+    assert cache.get(params) is not None and cache.hits == 1  # the late compile was kept
+    cache.close()
+
+
+def test_busy_compile_threads_are_a_retryable_error_not_a_hang():
+    cache = GrammarCache(ByteVocab(), 4, ConstraintLimits(compile_timeout_s=0.2, compile_threads=1))
+    _slow(cache, 1.0)
+    first = threading.Thread(target=lambda: pytest.raises(CompileTimeoutError, cache.get, SamplingParams(regex="a+")))
+    first.start()
+    time.sleep(0.05)
+    with pytest.raises(CompileBusyError, match="busy"):
+        cache.get(SamplingParams(regex="b+"))
+    first.join()
+    cache.close()
+
+
+def test_cache_is_bounded_by_memory_and_one_grammar_by_size():
+    cache = GrammarCache(ByteVocab(), 128, ConstraintLimits(cache_bytes=1, keep_newest=2))
+    for i in range(6):
+        cache.get(SamplingParams(json_schema={"type": "object", "properties": {f"p{i}": {"type": "string"}}}))
+    assert len(cache._compiled) == 2 and cache.cached_bytes > 0
+    small = GrammarCache(ByteVocab(), 4, ConstraintLimits(max_grammar_bytes=100))
+    with pytest.raises(ValueError, match=r"invalid json_schema=.*compiled grammar takes .* MiB, more than"):
+        small.get(SamplingParams(json_schema=CITY))
+
+
+class CountingPayer:
+    def __init__(self, cap: int) -> None:
+        self.cap, self.running, self.charged = cap, 0, 0
+
+    def begin_compile(self):
+        if self.running >= self.cap:
+            raise RuntimeError("over the client's share")
+        self.running += 1
+        self.charged += 1
+
+        def release():
+            self.running -= 1
+        return release
+
+
+def test_cold_compiles_are_charged_to_the_contexts_payer_until_they_end():
+    cache = GrammarCache(ByteVocab(), 4, ConstraintLimits(compile_timeout_s=0.1))
+    _slow(cache, 0.5)
+    payer = CountingPayer(cap=1)
+
+    def request(regex: str):
+        charge_compiles_to(payer)
+        return cache.get(SamplingParams(regex=regex))
+
+    with pytest.raises(CompileTimeoutError):
+        contextvars.copy_context().run(request, "x+")
+    assert payer.running == 1  # still compiling: still charged
+    with pytest.raises(RuntimeError, match="share"):
+        contextvars.copy_context().run(request, "y+")
+    time.sleep(0.8)
+    assert payer.running == 0
+    contextvars.copy_context().run(request, "x+")  # a cache hit: not charged
+    assert payer.charged == 1
+    del cache._compile  # fast again
+    cache.get(SamplingParams(regex="z+"))  # no payer in this context (Python API): nobody charged
+    assert payer.charged == 1
+    cache.close()
+
+
+def test_server_refuses_a_client_over_its_compile_share_with_429():
+    from fastapi.testclient import TestClient
+
+    import cllm
+    from cllm.server.app import create_app
+    from tests.unit.fakes import FakeBackend, fake_config
+
+    config = fake_config(max_compiles_per_client=1)
+    app = create_app(config, engine=cllm.AsyncLLM(backend=FakeBackend(slots=2), config=config))
+    with TestClient(app, base_url="http://localhost") as client:
+        quota = client.app.state.cllm.quota
+        body = {"prompt": "ab", "max_tokens": 3, "guided_regex": "[a-c]{3}"}
+        release = quota.begin_compile("testclient")  # a compile of this client is running
+        refused = client.post("/v1/completions", json=body)
+        assert refused.status_code == 429, refused.text
+        assert refused.json()["error"]["code"] == "client_compile_quota_exceeded"
+        assert refused.headers["Retry-After"] == "2"
+        release()
+        assert client.post("/v1/completions", json=body).status_code == 200
+        assert quota.compiling("testclient") == 0
+        assert client.post("/v1/completions", json=body).status_code == 200  # cached: no compile, no charge
