@@ -20,6 +20,7 @@
     model: null,           // the served model id (GET /v1/models)
     apiKey: sessionStorage.getItem(KEY_STORE) || "",
     controller: null,      // AbortController of the reply in flight
+    generation: 0,         // bumped by New chat: a reply still ending belongs to the old conversation
   };
 
   // ------------------------------------------------------------------ markdown (DOM only)
@@ -304,6 +305,8 @@
     $("input").value = "";
     messageView("user", text);
     saveChat();
+    const generation = state.generation;
+    const userMessage = state.messages[state.messages.length - 1];
     const reply = { role: "assistant", content: "" };
     const view = messageView("assistant", "");
     view.dataset.state = "streaming";
@@ -366,7 +369,13 @@
     const line = formatStats(stats);
     view.querySelector(".meta").textContent = line;
     $("stats").textContent = line;
-    if (reply.content) { state.messages.push(reply); saveChat(); }
+    if (generation !== state.generation) return;  // New chat was pressed meanwhile
+    if (reply.content) {
+      state.messages.push(reply);
+    } else if (finish === "error" && state.messages[state.messages.length - 1] === userMessage) {
+      state.messages.pop();  // nothing came back: the next request should not carry this message twice
+    }
+    saveChat();
     $("input").focus();
   }
 
@@ -383,6 +392,7 @@
     $("stop").addEventListener("click", () => { if (state.controller) state.controller.abort(); });
     $("new-chat").addEventListener("click", () => {
       if (state.controller) state.controller.abort();
+      state.generation++;
       state.messages = []; saveChat();
       $("messages").replaceChildren(); $("empty-hint").hidden = false; $("stats").textContent = "";
     });
