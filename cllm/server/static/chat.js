@@ -272,6 +272,7 @@
     state.model = models.data && models.data.length ? models.data[0].id : null;
     $("model-name").textContent = state.model || "(no model)";
     $("api-key-panel").hidden = true;
+    $("forget-key").hidden = !state.apiKey;
     return true;
   }
 
@@ -285,7 +286,7 @@
     const parts = [];
     if (s.ttft !== null) parts.push(`TTFT ${Math.round(s.ttft)} ms`);
     if (s.rate !== null) parts.push(`${s.rate.toFixed(1)} tok/s`);
-    parts.push(`${s.tokens}${s.exact ? "" : "~"} tokens`);
+    parts.push(`${s.exact ? "" : "~"}${s.tokens} tokens`);
     parts.push(s.finish);
     return parts.join(" · ");
   }
