@@ -35,7 +35,7 @@ from cllm.config import CllmConfig
 from cllm.engine.async_llm import AsyncLLM
 from cllm.errors import EngineDeadError, RequestHandedOffError
 from cllm.handoff.snapshot import RequestSnapshot
-from cllm.handoff.transfer import KVReceiver
+from cllm.handoff.transfer import KVReceiver, TransferStatus
 from cllm.outputs import EmbeddingOutput, RequestOutput
 
 log = logging.getLogger("cllm.cluster")
@@ -152,7 +152,7 @@ class EngineReplica:
             if chunks_lost(err):
                 log.warning("hand-off %s lost its KV chunks (%s); the request recomputes it", tid, type(err).__name__)
                 return []
-            keep = True
+            keep = entry.receiver.status is not TransferStatus.FAILED  # a failed transfer cannot resume
             raise
         finally:
             if not keep:

@@ -247,6 +247,13 @@ async def test_receivers_and_chunks_are_released_on_every_path_and_abandoned_one
     await asyncio.sleep(0.3)
     replica._expire_receivers()
     assert replica._receivers == {} and ticket.header.transfer_id in holder.released
+    # A chunk that contradicts its header fails the transfer for good: nothing kept for a retry.
+    from cllm.handoff.transfer import KVChunk, TransferError
+    ticket = await publish(snap, segments, 2, holder)
+    ticket.chunk_refs[1] = _Ref(KVChunk(ticket.header.transfer_id, 1, b"x", False))
+    with pytest.raises(TransferError):
+        await collect(replica.resume(ticket))
+    assert replica._receivers == {} and ticket.header.transfer_id in holder.released
     # Chunks lost for good (the holder died): the request resumes without them and recomputes its KV.
     ticket = await publish(snap, segments, 2, holder)
     ticket.chunk_refs[0] = _Ref(None, ray.exceptions.OwnerDiedError("00" * 28, "", ""), fails=1)
