@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 import math
 
+import pytest
+
 from cllm.outputs import TokenLogprob, TopLogprob
 from cllm.server.logprobs import chat_logprobs, completion_logprobs, prompt_logprobs
 from tests.unit.fakes import ByteTokenizer
@@ -56,3 +58,52 @@ def test_echoed_prompt_logprobs_are_numbers_after_the_first_token():
         assert body["token_logprobs"][0] is None and body["top_logprobs"][0] is None
         assert _numbers(body["token_logprobs"][1:])
         assert all(isinstance(top, dict) and _numbers(top.values()) for top in body["top_logprobs"][1:])
+
+
+def test_server_responses_carry_no_null_logprob():
+    """End to end through the app: constrained rows (the grammar leaves one token per step, the other
+    alternatives are -inf), streamed or not, and echoed prompts with logprobs=0."""
+    pytest.importorskip("xgrammar")
+    from fastapi.testclient import TestClient
+
+    import cllm
+    from cllm.server.app import create_app
+    from tests.unit.fakes import FakeBackend, fake_config
+
+    config = fake_config()
+    app = create_app(config, engine=cllm.AsyncLLM(backend=FakeBackend(slots=2), config=config))
+    with TestClient(app, base_url="http://localhost") as client:
+        for stream in (False, True):
+            resp = client.post("/v1/completions", json={"prompt": "ab", "max_tokens": 4, "logprobs": 5, "stream": stream,
+                                                        "guided_choice": ["abc"]})
+            assert resp.status_code == 200 and "null" not in _logprob_parts(resp.text), resp.text[:2000]
+            resp = client.post("/v1/chat/completions", json={
+                "messages": [{"role": "user", "content": "a"}], "max_tokens": 4, "logprobs": True, "top_logprobs": 5,
+                "stream": stream, "guided_choice": ["abc"]})
+            assert resp.status_code == 200 and "null" not in _logprob_parts(resp.text), resp.text[:2000]
+        # echo with logprobs=0: every echoed token after the first has a number and a top_logprobs
+        # dict (it was null for all of them), as the output tokens do.
+        resp = client.post("/v1/completions", json={"prompt": "abcd", "max_tokens": 2, "logprobs": 0, "echo": True})
+        assert resp.status_code == 200, resp.text
+        lp = resp.json()["choices"][0]["logprobs"]
+        assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None  # no context (as OpenAI)
+        assert _numbers(lp["token_logprobs"][1:]) and len(lp["token_logprobs"]) == 6
+        assert all(isinstance(top, dict) and _numbers(top.values()) for top in lp["top_logprobs"][1:]), lp
+
+
+def _logprob_parts(body: str) -> str:
+    """The logprob values of a response (plain or SSE), as JSON text."""
+    values = []
+    for line in body.splitlines() if body.startswith("data:") else [body]:
+        text = line.removeprefix("data: ").strip()
+        if not text or text == "[DONE]":
+            continue
+        for choice in json.loads(text).get("choices", []):
+            lp = choice.get("logprobs")
+            if isinstance(lp, dict) and "content" in lp:
+                values += [e["logprob"] for e in lp["content"] or []]
+                values += [t["logprob"] for e in lp["content"] or [] for t in e["top_logprobs"]]
+            elif isinstance(lp, dict):
+                values += lp["token_logprobs"] + [v for top in lp["top_logprobs"] for v in (top or {}).values()]
+    assert values
+    return json.dumps(values)
