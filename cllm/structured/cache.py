@@ -77,6 +77,7 @@ class GrammarCache:
 
     def _start(self, key: tuple[str, str], params: SamplingParams) -> concurrent.futures.Future:
         check_constraint(key[0], key[1], self.limits)  # before any work: 400 for a hostile body
+        self.compiler()  # the one-time vocabulary scan is not the constraint's compile time
         payer = current_payer()
         release = payer.begin_compile() if payer is not None else None  # 429 for a client over its share
         try:
@@ -102,15 +103,18 @@ class GrammarCache:
 
     def _wait(self, key: tuple[str, str], future: concurrent.futures.Future) -> Any:
         budget = self.limits.compile_timeout_s
+        busy = CompileBusyError(f"the grammar compiler stayed busy for {budget:g} s (other requests' constraints); "
+                                "retry later")
         try:
             return future.result(timeout=budget)
+        except concurrent.futures.CancelledError:  # another waiter of the same compile gave up on the queue
+            raise busy from None
         except concurrent.futures.TimeoutError:
             if future.cancel():  # never started: every compile thread was busy all along
                 with self._lock:
                     if self._inflight.get(key) is future:
                         del self._inflight[key]
-                raise CompileBusyError(f"the grammar compiler stayed busy for {budget:g} s (other requests' "
-                                       "constraints); retry later") from None
+                raise busy from None
             kind, text = key
             raise CompileTimeoutError(
                 f"invalid {kind}={_shown(text)}: compiling it takes longer than this server's {budget:g} s budget; "
@@ -138,20 +142,21 @@ class GrammarCache:
     def _keep(self, key: tuple[str, str], compiled: Any, size: int) -> None:
         """Cache a grammar, then drop the least recently used past the count or the memory bound
         (the newest few stay: their requests are on their way to the engine)."""
+        self.cached_bytes += size - self._sizes.get(key, 0)  # a key compiled twice (a cancel race) counts once
         self._compiled[key] = compiled
         self._sizes[key] = size
-        self.cached_bytes += size
         while self._compiled and (len(self._compiled) > self._capacity or (
                 self.cached_bytes > self.limits.cache_bytes and len(self._compiled) > self.limits.keep_newest)):
             old, _ = self._compiled.popitem(last=False)
             self.cached_bytes -= self._sizes.pop(old, 0)
 
     def close(self) -> None:
-        """Stop the compile threads (a compile still running finishes first)."""
+        """Stop the compile threads: queued compiles are cancelled; one running cannot be
+        interrupted (xgrammar) and finishes in the background rather than hold the engine's close."""
         with self._lock:
             pool, self._pool = self._pool, None
         if pool is not None:
-            pool.shutdown(wait=True, cancel_futures=True)
+            pool.shutdown(wait=False, cancel_futures=True)
 
     def compiler(self) -> Any:
         with self._lock:
