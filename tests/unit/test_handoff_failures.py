@@ -16,7 +16,8 @@ from cllm.engine.llm_engine import LLMEngine
 from cllm.sampling.params import SamplingParams
 from tests.unit.fakes import FakeBackend, fake_config
 
-LONG = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
+# Long enough (300 steps of >= 2 ms) that the export, sent after the first token, always finds the request live.
+LONG = SamplingParams(max_tokens=300, temperature=0, ignore_eos=True)
 pytestmark = pytest.mark.filterwarnings("ignore:coroutine 'EngineReplica.__del__' was never awaited")
 TIMEOUT_S = 20.0  # a hand-off that hangs fails the test here instead of hanging the suite
 
@@ -121,8 +122,9 @@ async def test_a_pd_request_whose_kv_cannot_be_published_continues_on_this_repli
     replica = make_replica(holder)
     call = GenerateCall("r", [1, 2, 3], LONG, 0, None, (), prefill_only=True)
     items = await collect(replica.generate(call))
+    assert holder.adopting.is_set()  # the export happened and its publish failed
     assert not any(isinstance(i, HandoffTicket) for i in items)
-    assert tokens_of(items) == counting([1, 2, 3], 60)  # every token once, in order
+    assert tokens_of(items) == counting([1, 2, 3], 300)  # every token once, in order
     assert items[-1].finished and items[-1].outputs[0].finish_reason == "length"
     assert replica._tickets == {} and replica.engine.live_request_ids() == []
     await replica.engine.shutdown()
@@ -219,7 +221,7 @@ async def test_a_request_back_on_a_replica_never_resumes_into_its_stale_receiver
     new_snap, new_segments = exported([1, 2, 3], 9)
     new = await publish(new_snap, new_segments, 2, holder)
     items = await collect(replica.resume(new))
-    assert tokens_of(items) == counting([1, 2, 3], 60)[len(new_snap.output_token_ids):]
+    assert tokens_of(items) == counting([1, 2, 3], 300)[len(new_snap.output_token_ids):]
     assert items[-1].outputs[0].finish_reason == "length"
     assert new.header.transfer_id in holder.released
     await replica.engine.shutdown()
@@ -258,7 +260,7 @@ async def test_receivers_and_chunks_are_released_on_every_path_and_abandoned_one
     ticket = await publish(snap, segments, 2, holder)
     ticket.chunk_refs[0] = _Ref(None, ray.exceptions.OwnerDiedError("00" * 28, "", ""), fails=1)
     items = await collect(replica.resume(ticket))
-    assert tokens_of(items) == counting([1, 2, 3], 60)[len(snap.output_token_ids):]
+    assert tokens_of(items) == counting([1, 2, 3], 300)[len(snap.output_token_ids):]
     await replica.engine.shutdown()
 
 
