@@ -120,6 +120,7 @@ class ServerConfig(_Section):
     max_header_bytes: int = Field(16384, ge=1024, le=1 << 20, description="largest request line + headers; beyond it the connection is refused")
     max_connections: int = Field(512, ge=1, description="open connections (and in-flight requests) at once; beyond it new requests get 503")
     sse_keepalive_s: float = Field(10.0, gt=0, description="while a stream waits (queued, long prefill), send an SSE comment line this often so proxies with read timeouts keep it open")
+    stream_stall_timeout_s: float = Field(120.0, gt=0, description="a streamed request whose reader takes nothing for this long while output waits is aborted (its slot and KV freed; the unread output, merged into one pending chunk per prompt, dropped)")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log verbosity")
     shutdown_grace_s: float = Field(10.0, ge=0, description="on SIGTERM, how long in-flight requests may finish before being aborted")
     responses_store_size: int = Field(1024, ge=0, le=1 << 20, description="most past /v1/responses results kept in memory (store: true) for previous_response_id and GET/DELETE /v1/responses/{id}; the least recently used goes first; 0 = store nothing")

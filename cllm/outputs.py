@@ -111,3 +111,19 @@ class EmbeddingOutput:
 
     embedding: list[float]  # the pooled final hidden state, L2-normalised (unit length, as OpenAI's)
     prompt_token_ids: list[int]  # the input's tokens (usage counts them)
+
+
+def merge_outputs(earlier: RequestOutput, later: RequestOutput) -> RequestOutput:
+    """``later`` carrying ``earlier``'s deltas in front of its own: what a reader that missed ``earlier``
+    needs. Reuses ``earlier``'s delta lists (extended in place), so merging a long backlog one output
+    at a time stays linear in the tokens; ``earlier`` must not be used afterwards."""
+    for prev, choice in zip(earlier.outputs, later.outputs):
+        if prev.text_delta:
+            choice.text_delta = prev.text_delta + choice.text_delta
+        if prev.token_ids_delta:
+            prev.token_ids_delta.extend(choice.token_ids_delta)
+            choice.token_ids_delta = prev.token_ids_delta
+        if prev.logprobs_delta:
+            prev.logprobs_delta.extend(choice.logprobs_delta or [])
+            choice.logprobs_delta = prev.logprobs_delta
+    return later

@@ -28,14 +28,15 @@ FAVOURED_SPREAD = 8  # the table's top tokens cycle over this many ids per row (
 
 
 class WordTokenizer(Tokenizer):
-    """Token i (> 0) is the text ``" w<i>"``: 3-7 bytes, like a real subword; 0 is EOS; text encodes by
-    UTF-8 byte (each byte b is token b + 1, for prompts given as text)."""
+    """Token i (> 0) is the text ``" w<i>"``: 3-7 bytes, like a real subword (``word_bytes`` pads it to
+    that length, for tests that need a lot of text quickly); 0 is EOS; text encodes by UTF-8 byte
+    (each byte b is token b + 1, for prompts given as text)."""
 
-    def __init__(self, vocab_size: int) -> None:
+    def __init__(self, vocab_size: int, word_bytes: int = 0) -> None:
         if vocab_size < 300:
             raise ValueError(f"vocab_size {vocab_size} is too small: the byte tokens need 257 ids")
         self._vocab = vocab_size
-        self._bytes = [b""] + [f" w{i}".encode() for i in range(1, vocab_size)]
+        self._bytes = [b""] + [f" w{i}".encode().ljust(word_bytes, b"x") for i in range(1, vocab_size)]
 
     @property
     def vocab_size(self) -> int:
@@ -65,7 +66,7 @@ class WordTokenizer(Tokenizer):
 
 
 class NullBackend(Backend):
-    """``NullBackend(slots=256, vocab_size=1024, max_batch_tokens=8192, kv_tokens=4M, device="numpy")``."""
+    """``NullBackend(slots=256, vocab_size=1024, max_batch_tokens=8192, kv_tokens=4M, device="numpy", word_bytes=0)``."""
 
     name = "null"
     supports_prefix_cache = False
@@ -73,11 +74,12 @@ class NullBackend(Backend):
     supports_embeddings = False
 
     def __init__(self, *, slots: int = 256, vocab_size: int = 1024, max_batch_tokens: int = 8192,
-                 max_model_len: int = 32768, kv_tokens: int = 1 << 22, device: str = "numpy", seed: int = 0) -> None:
+                 max_model_len: int = 32768, kv_tokens: int = 1 << 22, device: str = "numpy", seed: int = 0,
+                 word_bytes: int = 0) -> None:
         if device not in ("numpy", "torch"):
             raise ValueError(f"device must be 'numpy' or 'torch', got {device!r}")
         self._cap = BackendCapacity(slots, max_batch_tokens, max_model_len, kv_tokens)
-        self._tok = WordTokenizer(vocab_size)
+        self._tok = WordTokenizer(vocab_size, word_bytes)
         self._held: dict[str, int] = {}  # sequence -> KV tokens reserved
         self._computed: dict[str, int] = {}  # sequence -> tokens in "KV"
         rng = np.random.default_rng(seed)

@@ -2,18 +2,18 @@
 pass that costs nothing. Used by benchmarks/engine_overhead.py and by tests that need a backend
 faster than any socket (stalled readers).
 
-    python -m cllm.bench.null_server --port 8123 --slots 256 --vocab 1024 [--device numpy|torch] [--set KEY=VALUE ...]
+    python -m cllm.bench.null_server --port 8123 --slots 256 --vocab 1024 [--device numpy|torch] [--word-bytes N]
+                                     [--set KEY=VALUE ...]
 """
 from __future__ import annotations
 
 import argparse
-
-import uvicorn
+import socket
 
 from cllm.bench.null_backend import NullBackend
 from cllm.config import load_config
 from cllm.engine.async_llm import AsyncLLM
-from cllm.server.app import configure_logging, create_app, uvicorn_config
+from cllm.server.app import _DrainingServer, configure_logging, create_app, uvicorn_config
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -22,19 +22,31 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--slots", type=int, default=256)
     parser.add_argument("--vocab", type=int, default=1024)
     parser.add_argument("--device", choices=("numpy", "torch"), default="numpy")
+    parser.add_argument("--word-bytes", type=int, default=0, help="pad each token's text to this many bytes")
+    parser.add_argument("--sndbuf", type=int, default=0,
+                        help="kernel send buffer of each connection, bytes (0: the kernel's autotuned default); small "
+                             "makes a client that stops reading block the server's writes at once")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
     args = parser.parse_args(argv)
     overrides: dict[str, object] = {"port": args.port, "n_seq_max": args.slots, "max_sequences_per_client": None,
-                                    "log_level": "warning", "max_waiting": 4096}
+                                    "log_level": "warning", "max_waiting": 4096, "max_tokens_limit": 32768}
     for item in args.set:
         key, _, value = item.partition("=")
         overrides[key] = value
     config = load_config(None, environ={}, **overrides)
-    backend = NullBackend(slots=args.slots, vocab_size=args.vocab, device=args.device)
+    backend = NullBackend(slots=args.slots, vocab_size=args.vocab, device=args.device, word_bytes=args.word_bytes)
     engine = AsyncLLM(backend=backend, config=config)
     configure_logging(config.server.log_level)
     app = create_app(config, engine)
-    uvicorn.Server(uvicorn_config(app, config)).run()
+    server = _DrainingServer(uvicorn_config(app, config), app.state.cllm)  # SIGTERM drains and exits 0, as cllm serve
+    if not args.sndbuf:
+        server.run()
+        return
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, args.sndbuf)  # accepted connections inherit it
+    sock.bind((config.server.host, config.server.port))
+    server.run(sockets=[sock])
 
 
 if __name__ == "__main__":

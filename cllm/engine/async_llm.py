@@ -11,12 +11,15 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import ctypes
 import itertools
 import logging
 import queue
+import sys
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +34,7 @@ from cllm.engine.stats import EngineStats, RunningRequestInfo
 from cllm.errors import EngineDeadError, QueueFullError, RequestHandedOffError
 from cllm.handoff.snapshot import RequestSnapshot
 from cllm.model_path import resolve_model_path
-from cllm.outputs import EmbeddingOutput, RequestOutput
+from cllm.outputs import EmbeddingOutput, RequestOutput, merge_outputs
 from cllm.sampling.params import SamplingParams
 
 log = logging.getLogger("cllm.engine")
@@ -60,6 +63,13 @@ PUBLISH_EVERY_S = 0.05
 # The same 25 ms window holds once two requests have come in with none owed (N clients starting
 # together): with 1 ms the benchmark's opening 64 split 26 + 38 there, and the two groups, ending
 # apart, kept splitting every later round.
+# The engine thread runs at most MAX_STEPS_AHEAD steps ahead of each caller event loop: a step's outputs
+# are handed over by a callback on the loop, and before handing over another the engine waits (up to
+# AHEAD_WAIT_S, so a wedged loop never stops it) until the loop has run all but MAX_STEPS_AHEAD - 1 of
+# them. Without it a starved event loop let the engine run arbitrarily far ahead of its readers, and
+# an abort (a client leaving) landed whenever the loop got the GIL back (issue 27 item 9).
+MAX_STEPS_AHEAD = 2
+AHEAD_WAIT_S = 0.05
 BURST_QUIET_S = 0.001
 BURST_EXPECT_QUIET_S = 0.025
 BURST_EXPECT_WITHIN_S = 1.0
@@ -111,6 +121,8 @@ class AsyncLLM:
         self._loop_done = False  # the engine thread has left its loop (under _close_lock)
         self._close_pending = False  # shutdown asked the engine thread to free the engine on exit
         # (stats, running requests) published by the engine thread after every step and command
+        # per caller event loop (weakly: short-lived loops come and go), see MAX_STEPS_AHEAD
+        self._gates: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, threading.Semaphore] = weakref.WeakKeyDictionary()
         self._snapshot: tuple[EngineStats, list[RunningRequestInfo]] | None = None
         self._published_at = 0.0  # time.monotonic() of the latest snapshot
 
@@ -175,6 +187,7 @@ class AsyncLLM:
             self._thread.start()
 
     def _loop(self) -> None:
+        _name_os_thread("cllm-engine")
         try:
             while not self._stopping:
                 was_idle = not self.engine.has_unfinished()
@@ -287,19 +300,24 @@ class AsyncLLM:
             _resolve(job, err)
 
     def _drain_inbox(self) -> int:
-        """Run every queued command; how many there were."""
+        """Run every queued command; how many there were. The stats snapshot is republished once per
+        drain, not per command (building it walks every request)."""
         count = 0
-        while True:
-            try:
-                command = self._inbox.get_nowait()
-            except queue.Empty:
-                return count
-            with self._state_lock:
-                command()
-                self._publish()
-            count += 1
-            if self._owed:  # a client came back (any command counts: aborts are rare)
-                self._owed.popleft()
+        try:
+            while True:
+                try:
+                    command = self._inbox.get_nowait()
+                except queue.Empty:
+                    return count
+                with self._state_lock:
+                    command()
+                count += 1
+                if self._owed:  # a client came back (any command counts: aborts are rare)
+                    self._owed.popleft()
+        finally:
+            if count:
+                with self._state_lock:
+                    self._publish()
 
     def _submit(self, command: Callable[[], None]) -> None:
         self._inbox.put(command)
@@ -315,8 +333,13 @@ class AsyncLLM:
             if stream is not None:
                 batches.setdefault(stream.loop, []).append((stream.queue, out))
         for loop, items in batches.items():
-            if not loop.is_closed():
-                loop.call_soon_threadsafe(_put_all, items)
+            if loop.is_closed():
+                continue
+            gate = self._gates.get(loop)
+            if gate is None:
+                gate = self._gates[loop] = threading.Semaphore(MAX_STEPS_AHEAD)
+            held = gate.acquire(timeout=AHEAD_WAIT_S)  # see MAX_STEPS_AHEAD
+            loop.call_soon_threadsafe(_put_all, items, gate if held else None)
 
     def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
         stream = self._streams.get(request_id)
@@ -588,9 +611,24 @@ class AsyncLLM:
         self._thread.join(timeout=self._join_timeout_s)
 
 
-def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
-    for queue_, item in items:
-        queue_.put_nowait(item)
+def _name_os_thread(name: str) -> None:
+    """Give the calling thread its name at the OS level too (top -H, py-spy, /proc/PID/task/*/comm), so
+    the engine thread's CPU can be told from the event loop's; a no-op off Linux."""
+    if sys.platform != "linux":
+        return
+    try:
+        ctypes.CDLL(None).prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
+    except (OSError, AttributeError):
+        pass
+
+
+def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]], gate: threading.Semaphore | None) -> None:
+    try:
+        for queue_, item in items:
+            queue_.put_nowait(item)
+    finally:
+        if gate is not None:
+            gate.release()
 
 
 def _take_all(jobs: queue.SimpleQueue[_EmbedJob]) -> list[_EmbedJob]:
@@ -616,13 +654,7 @@ def _resolve(job: _EmbedJob, result: list[EmbeddingOutput] | BaseException) -> N
 
 
 def _merge(items: list[RequestOutput]) -> RequestOutput:
-    last = items[-1]
-    if len(items) == 1:
-        return last
-    for i, choice in enumerate(last.outputs):
-        earlier = [it.outputs[i] for it in items[:-1]]
-        choice.text_delta = "".join(c.text_delta for c in earlier) + choice.text_delta
-        choice.token_ids_delta = [t for c in earlier for t in c.token_ids_delta] + choice.token_ids_delta
-        if choice.logprobs_delta is not None:
-            choice.logprobs_delta = [lp for c in earlier for lp in (c.logprobs_delta or [])] + choice.logprobs_delta
-    return last
+    merged = items[0]
+    for item in items[1:]:
+        merged = merge_outputs(merged, item)
+    return merged

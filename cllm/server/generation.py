@@ -9,20 +9,24 @@ slot) and gives the client's share of the queue back.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
+import logging
 import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
-from cllm.outputs import RequestOutput
+from cllm.outputs import RequestOutput, merge_outputs
 from cllm.sampling.params import SamplingParams
 from cllm.server.access_log import AccessRecord
 from cllm.server.client_quota import ClientLease
 from cllm.server.errors import APIError, engine_error
 from cllm.server.metrics import ServerMetrics
 
+log = logging.getLogger("cllm.server")
 Prompt = str | list[int]
 _ABNORMAL = ("timeout", "abort", "error")
+DEFAULT_STALL_TIMEOUT_S = 120.0  # ServerConfig.stream_stall_timeout_s when the engine has no server config
 
 
 def request_status(out: RequestOutput) -> str:
@@ -49,6 +53,61 @@ _QUIET = object()  # queued by the keep-alive timer: no output for the consumer'
 _Item = tuple[int, RequestOutput | None, BaseException | None]  # (prompt index, output, error); (i, None, None) = ended
 
 
+class StreamStalledError(RuntimeError):
+    """The reader took nothing for stream_stall_timeout_s while output waited: its requests are aborted."""
+
+
+class _Mailbox:
+    """What the pumps hand the consumer: like an unbounded asyncio.Queue, except that an output put
+    while an earlier output of the same prompt still waits is merged into it (deltas concatenated, at
+    the earlier one's place). A reader that stops reading thus holds one pending output per prompt,
+    growing by the text of the tokens it has not read, never one object per step (issue 27 item 2)."""
+
+    def __init__(self) -> None:
+        self._items: collections.deque[list[Any]] = collections.deque()  # [item] boxes, in order
+        self._open: dict[int, list[Any]] = {}  # prompt index -> its box still waiting, if mergeable
+        self._waiter: asyncio.Future[None] | None = None
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def empty(self) -> bool:
+        return not self._items
+
+    def put(self, item: Any) -> None:
+        if isinstance(item, tuple) and item[1] is not None and item[2] is None:
+            box = self._open.get(item[0])
+            if box is not None:
+                box[0] = (item[0], merge_outputs(box[0][1], item[1]), None)
+                if item[1].finished:
+                    del self._open[item[0]]
+                return
+            box = [item]
+            if not item[1].finished:
+                self._open[item[0]] = box
+        else:
+            box = [item]
+            if isinstance(item, tuple):
+                self._open.pop(item[0], None)  # an end or an error: nothing merges past it
+        self._items.append(box)
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    async def get(self) -> Any:
+        """The oldest item; cancelling the wait takes nothing (as asyncio.Queue.get)."""
+        while not self._items:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        box = self._items.popleft()
+        item = box[0]
+        if isinstance(item, tuple) and self._open.get(item[0]) is box:
+            del self._open[item[0]]
+        return item
+
+
 class GenerationStream:
     """Engine outputs for the prompts of one HTTP request. Use ``start()``, iterate, ``close()``.
 
@@ -69,9 +128,16 @@ class GenerationStream:
         record: AccessRecord | None,
         prompt_param: str,
         lease: ClientLease | None = None,
+        stall_timeout_s: float | None = None,
     ) -> None:
         ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
-        self._queue: asyncio.Queue[_Item | object] = asyncio.Queue()
+        self._queue = _Mailbox()
+        if stall_timeout_s is None:  # the engine's config is the server's (AsyncLLM, RemoteEngine)
+            server = getattr(getattr(engine, "config", None), "server", None)
+            stall_timeout_s = getattr(server, "stream_stall_timeout_s", DEFAULT_STALL_TIMEOUT_S)
+        self._stall_timeout_s = stall_timeout_s
+        self._taken_at = time.monotonic()  # the reader last took an output (or the stream began)
+        self.stalled = False  # the reader stalled and the requests were aborted
         self._pending: list[_Item] = []
         self._remaining = len(prompts)  # engine streams not ended yet
         self._unqueued = len(prompts)  # prompts the engine has not queued yet
@@ -102,12 +168,29 @@ class GenerationStream:
             # Closing the engine stream explicitly (not at garbage collection) is what aborts it.
             async with contextlib.aclosing(gen) as stream:  # type: ignore[type-var]
                 async for out in stream:
-                    self._last_item_at = time.monotonic()
-                    self._queue.put_nowait((index, out, None))
-        except Exception as exc:  # handed to the consumer, which decides the response
-            self._queue.put_nowait((index, None, exc))
+                    now = time.monotonic()
+                    self._last_item_at = now
+                    if self._queue and now - self._taken_at > self._stall_timeout_s:
+                        raise StreamStalledError(
+                            f"the client read nothing for {self._stall_timeout_s:g} s (stream_stall_timeout_s) while "
+                            "output waited: request aborted")
+                    self._queue.put((index, out, None))
+        except StreamStalledError as exc:  # the engine stream is closed (aborted) by now: end the others too
+            self._on_stall(index, exc)
             return
-        self._queue.put_nowait((index, None, None))
+        except Exception as exc:  # handed to the consumer, which decides the response
+            self._queue.put((index, None, exc))
+            return
+        self._queue.put((index, None, None))
+
+    def _on_stall(self, index: int, exc: StreamStalledError) -> None:
+        if not self.stalled:
+            self.stalled = True
+            log.warning("stream %s: %s", self._record.request_id if self._record is not None else "?", exc)
+            for i, task in enumerate(self._tasks):
+                if i != index:
+                    task.cancel()  # closes (aborts) the other prompts' engine streams
+        self._queue.put((index, None, APIError(408, str(exc), code="stream_stalled")))
 
     async def start(self) -> None:
         """Wait until the engine queued every prompt, or its first output or error came (issue 9 defect 15).
@@ -148,6 +231,7 @@ class GenerationStream:
                 if timeout is not None:
                     self._arm_quiet_timer(timeout)
                 item = await self._queue.get()
+                self._taken_at = time.monotonic()
                 if item is _QUIET:
                     return None
                 index, out, exc = item
@@ -174,7 +258,7 @@ class GenerationStream:
             return  # an output is waiting to be taken; next_output re-arms when it waits again
         idle = time.monotonic() - self._last_item_at
         if idle >= timeout:
-            self._queue.put_nowait(_QUIET)
+            self._queue.put(_QUIET)
         else:  # an output came and was taken meanwhile: wait out the rest of the period from it
             self._quiet_timer = asyncio.get_running_loop().call_later(timeout - idle, self._on_quiet, timeout)
 

@@ -12,12 +12,18 @@ if TYPE_CHECKING:  # results only; importing the scenarios would pull in llama.c
     from cllm.stress.holder_kill import HolderKillResult
     from cllm.stress.load import LoadResult
     from cllm.stress.sigterm import SigtermResult
+    from cllm.stress.stalled import StalledResult
 
 MIB = 1 << 20
 RSS_GROWTH_LIMIT = 0.10  # load: RSS back within 10 % of the start
 IDLE_AFTER_CLOSE_S = 1.0  # disconnects: engine idle this soon after the last close (a step is ~10-100 ms)
 MEMORY_BOUND = 128 * MIB  # flood / slow readers: RSS may not grow more than this
 MIN_FUZZ_REQUESTS = 500
+# stalled readers: the server's RSS may grow this much for all of them together. Each unread stream
+# holds one merged pending chunk (its unread text, ~6 bytes a token); before outputs became deltas and
+# were merged, each step queued an output with a copy of the prompt: 16 streams of 4,000-token prompts
+# and 8,000 tokens would have queued ~4 GB.
+STALL_MEMORY_BOUND = 64 * MIB
 
 
 def load_failures(r: LoadResult) -> list[str]:
@@ -104,4 +110,16 @@ def holder_kill_failures(r: HolderKillResult) -> list[str]:
     incomplete = [o.detail or str(o.status) for o in r.after if not o.completed]
     if incomplete:
         failures.append(f"{len(incomplete)} of {len(r.after)} requests sent after the kill did not complete: {incomplete}")
+    return failures
+
+
+def stalled_failures(r: StalledResult) -> list[str]:
+    failures = []
+    growth = r.rss_peak - r.rss_start
+    if growth > STALL_MEMORY_BOUND:
+        failures.append(f"RSS grew {growth // MIB} MiB with {r.streams} stalled streams (bound {STALL_MEMORY_BOUND // MIB})")
+    if r.idle_after_s is None:
+        failures.append("the stalled requests never ended (slots still held)")
+    if not r.others_ok:
+        failures.append("a normal request failed while streams were stalled")
     return failures

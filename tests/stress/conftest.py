@@ -6,6 +6,7 @@ from collections.abc import Iterator
 import pytest
 
 from cllm.stress.server_process import ServerProcess, finish_server, start_server
+from cllm.stress.stalled import start_null_server
 
 
 @pytest.fixture(scope="session")
@@ -31,5 +32,14 @@ def flood_server() -> Iterator[ServerProcess]:
     above the flood, so it meets the queue bound)."""
     srv = start_server("--n-seq-max", "8", "--n-ctx", "16384", "--max-waiting", "16", "--log-level", "warning",
                        "--set", "max_sequences_per_client=null", "--set", "max_connections=4096")
+    yield srv
+    finish_server(srv)
+
+
+@pytest.fixture(scope="session")
+def null_server() -> Iterator[ServerProcess]:
+    """The real server over a backend whose forward costs nothing (faster than any socket), with a short
+    stall timeout: stalled readers."""
+    srv = start_null_server("stream_stall_timeout_s=3", "log_level=warning", sndbuf=16384)
     yield srv
     finish_server(srv)

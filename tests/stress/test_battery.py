@@ -12,6 +12,7 @@ from cllm.stress.fuzz import run_fuzz
 from cllm.stress.load import run_load
 from cllm.stress.server_process import ServerProcess, start_server
 from cllm.stress.sigterm import run_sigterm
+from cllm.stress.stalled import run_stalled_readers
 
 
 def test_load_loses_nothing_and_frees_every_slot(battery_server: ServerProcess) -> None:
@@ -57,3 +58,8 @@ def test_sigterm_under_load_ends_every_request_cleanly_and_exits_0() -> None:
     assert verdicts.sigterm_failures(result) == [], server.log_text()[-3000:]
     assert result.clean_errors > 0  # the grace (1 s) is shorter than the requests: some were aborted
     server.log_path.unlink(missing_ok=True)
+
+
+def test_stalled_readers_with_long_prompts_keep_memory_bounded_and_free_their_slots(null_server: ServerProcess) -> None:
+    result = asyncio.run(run_stalled_readers(null_server, streams=4, prompt_tokens=4000, max_tokens=16000))
+    assert verdicts.stalled_failures(result) == []

@@ -25,6 +25,7 @@ on CPU this path is selectable but not the default (notes/torch.md, numbers).
 """
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -179,8 +180,13 @@ def decode_mask_arrays(context_lens: Sequence[int], block_tables: Sequence[Seque
     n = len(lens)
     width = cache.shape.num_blocks if cache.k.device.type == "cpu" else cache.shape.seq_blocks
     tables = np.zeros((n, width), dtype=np.int32)
-    for b, (k, table) in enumerate(zip(nb, block_tables)):
-        tables[b, :k] = table[:k]
+    # One scatter for the whole batch (a slice assignment per row was ~0.5 ms of each 256-row step).
+    counts = nb.tolist()
+    flat = np.fromiter(itertools.chain.from_iterable(t[:k] for t, k in zip(block_tables, counts)), dtype=np.int32,
+                       count=int(nb.sum()))
+    starts = np.cumsum(nb) - nb
+    cols = np.arange(len(flat)) - np.repeat(starts, nb)
+    tables[np.repeat(np.arange(n), nb), cols] = flat
     arrays = {"part_num": nb.astype(np.int32).reshape(n, 1, 1), "part_idx": tables.reshape(n, 1, 1, width),
               "base": lens - 1}
     if lookup:
