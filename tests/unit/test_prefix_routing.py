@@ -88,6 +88,9 @@ def _router(*replicas):
     router = PrefixAffinityRouter(deployment_id=DeploymentID(name="cllm-engine"),
                                   handle_source=DeploymentHandleSource.UNKNOWN, use_replica_queue_len_cache=False)
     router.initialize_state(max_imbalance=100)
+    # Probes always answer in time, however loaded the machine: a late answer would send a request
+    # down its next rank and make the routing tests depend on timing.
+    router.queue_len_response_deadline_s = router.max_queue_len_response_deadline_s = 10.0
     router.update_replicas(list(replicas))
     return router
 
