@@ -141,3 +141,59 @@ def test_every_reply_the_forced_grammar_completes_parses_as_a_call():
         calls = plan.parse(text).tool_calls
         assert calls and all(c.name in ("get_weather", "add_note", "anything") for c in calls), repr(text)
         assert plan.missing_call(text, "stop") is None
+
+
+# ---- through the chat route, over a scripted model ---------------------------------------------
+
+
+def _chat_app(script: str):
+    from fastapi.testclient import TestClient
+
+    import cllm
+    from cllm.server.app import create_app
+    from tests.unit.fakes import fake_config
+    from tests.unit.scripted import PLAIN_TEMPLATE, ScriptedBackend
+
+    backend = ScriptedBackend(slots=2, max_batch_tokens=512, template=PLAIN_TEMPLATE)  # no tools in it: generic
+    backend.set_script(script)
+    config = fake_config(n_seq_max=2, n_batch=512, accept_any_model=True)
+    return TestClient(create_app(config, engine=cllm.AsyncLLM(backend=backend, config=config)), base_url="http://localhost")
+
+
+def _chat(client, stream: bool) -> tuple[str | None, list, str]:
+    """(content, tool calls as (name, arguments), finish_reason) of one chat reply, streamed or not."""
+    body = {"messages": [{"role": "user", "content": "Who?"}], "tools": [WEATHER], "tool_choice": "auto",
+            "max_tokens": 80, "stream": stream}
+    resp = client.post("/v1/chat/completions", json=body)
+    assert resp.status_code == 200, resp.text
+    if not stream:
+        choice = resp.json()["choices"][0]
+        calls = [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in choice["message"].get("tool_calls") or []]
+        return choice["message"]["content"], calls, choice["finish_reason"]
+    content, names, args, finish = "", [], [], None
+    for line in resp.text.splitlines():
+        if not line.startswith("data: {"):
+            continue
+        for choice in json.loads(line[6:])["choices"]:
+            delta = choice["delta"]
+            content += delta.get("content") or ""
+            for call in delta.get("tool_calls") or []:
+                if call.get("id"):
+                    names.append(call["function"]["name"])
+                    args.append("")
+                args[-1] += call["function"].get("arguments") or ""
+            finish = choice.get("finish_reason") or finish
+    return content or None, [(n, json.loads(a)) for n, a in zip(names, args)], finish
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_route_answers_plain_json_as_content(stream):
+    reply = '{"name": "Alice", "age": 30}'
+    with _chat_app(reply) as client:
+        assert _chat(client, stream) == (reply, [], "stop")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_route_still_reads_a_generic_call(stream):
+    with _chat_app('{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Oslo"}}]}') as client:
+        assert _chat(client, stream) == (None, [("get_weather", {"city": "Oslo"})], "tool_calls")
