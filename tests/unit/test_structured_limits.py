@@ -224,6 +224,10 @@ def test_server_refuses_a_client_over_its_compile_share_with_429():
         assert refused.status_code == 429, refused.text
         assert refused.json()["error"]["code"] == "client_compile_quota_exceeded"
         assert refused.headers["Retry-After"] == "2"
+        chat = client.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "a"}], "max_tokens": 3,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "integer"}}}})
+        assert chat.status_code == 429 and chat.json()["error"]["code"] == "client_compile_quota_exceeded"
         release()
         assert client.post("/v1/completions", json=body).status_code == 200
         assert quota.compiling("testclient") == 0
