@@ -232,3 +232,26 @@ def test_server_refuses_a_client_over_its_compile_share_with_429():
         assert client.post("/v1/completions", json=body).status_code == 200
         assert quota.compiling("testclient") == 0
         assert client.post("/v1/completions", json=body).status_code == 200  # cached: no compile, no charge
+
+
+def test_server_fails_a_compile_past_its_budget_with_a_400_and_keeps_serving():
+    from fastapi.testclient import TestClient
+
+    import cllm
+    from cllm.server.app import create_app
+    from tests.unit.fakes import FakeBackend, fake_config
+
+    config = fake_config()
+    engine = cllm.AsyncLLM(backend=FakeBackend(slots=2), config=config)
+    cache = engine.engine.structured.cache
+    cache.limits = ConstraintLimits(compile_timeout_s=0.3)
+    _slow(cache, 2.0)
+    with TestClient(create_app(config, engine=engine), base_url="http://localhost") as client:
+        start = time.perf_counter()
+        slow = client.post("/v1/completions", json={"prompt": "ab", "max_tokens": 3, "guided_regex": "[a-c]{3}"})
+        assert slow.status_code == 400, slow.text
+        assert slow.json()["error"]["param"] == "regex" and "0.3 s budget" in slow.json()["error"]["message"]
+        plain = client.post("/v1/completions", json={"prompt": "ab", "max_tokens": 3})
+        assert plain.status_code == 200
+        assert time.perf_counter() - start < 1.5  # both answered while the compile still runs
+        assert cache.misses == 0
