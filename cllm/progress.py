@@ -203,7 +203,7 @@ def _late_line(progress: Phase, out: TextIO, *, failed: bool) -> None:
 # Model load pace for the estimate, measured on the 2-core CPU machines with the embedded 98 MB GGUF:
 # llama.cpp maps the file and sets up its context in well under a second; torch dequantizes a GGUF or reads
 # safetensors and builds its model, several times slower per byte.
-_LOAD_BASE_S = {"llama_cpp": 0.5, "torch": 3.0}
+_LOAD_BASE_S = {"llama_cpp": 1.5, "torch": 3.0}  # llama_cpp: context set-up, 64 slots of KV included
 _LOAD_BYTES_PER_S = {"llama_cpp": 400e6, "torch": 40e6}
 
 
