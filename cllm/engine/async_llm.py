@@ -68,7 +68,7 @@ PUBLISH_EVERY_S = 0.05
 # AHEAD_WAIT_S, so a wedged loop never stops it) until the loop has run all but MAX_STEPS_AHEAD - 1 of
 # them. Without it a starved event loop let the engine run arbitrarily far ahead of its readers, and
 # an abort (a client leaving) landed whenever the loop got the GIL back (issue 27 item 9).
-MAX_STEPS_AHEAD = 2
+MAX_STEPS_AHEAD = 8
 AHEAD_WAIT_S = 0.05
 BURST_QUIET_S = 0.001
 BURST_EXPECT_QUIET_S = 0.025

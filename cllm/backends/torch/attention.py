@@ -45,6 +45,13 @@ FLASH_PAGE_MULTIPLE = 256  # flash-attn's paged KV needs page sizes divisible by
 # group (3 folded query rows per kv head) plain matmul + softmax beat it once the
 # gathered keys are this many or more (B * max_len), and lose below (notes/torch.md).
 MATMUL_DECODE_MIN_KEYS = 512
+# On the FlexAttention path, a chunk after a cached prefix whose context (prefix + chunk) is at most this
+# long is attended with SDPA over its gathered blocks rather than with FlexAttention. A compiled
+# FlexAttention call costs a few hundred microseconds of host time per layer (dynamo's guards and
+# wrappers; cProfile on an H200: 330 µs), paid per chunk and layer: 1,024 calls for 64 requests whose
+# prompts hit the prefix cache, most of a 64-stream server's step time. The gather of a short context
+# costs a few kernels; past this length its copy grows and FlexAttention's in-place read wins.
+FLEX_CHUNK_MIN_CONTEXT = 8192
 
 
 @dataclass(slots=True, frozen=True)
@@ -155,8 +162,7 @@ def build_attention_batch(
     whole = len(single) == len(chunks)
     if mode == "flex":
         decode = _flex_decode(single, cache, whole, q_per_kv) if single else None
-        prefills = [build_flex_chunk(c.row_start, c.num_tokens, c.start_pos, c.block_ids, cache) if c.start_pos
-                    else _fresh_chunk(c) for c in chunks if c.num_tokens > 1]
+        prefills = [_flex_or_gathered_chunk(c, cache, q_per_kv) for c in chunks if c.num_tokens > 1]
         return AttentionBatch(rows, decode, prefills, None, flex_fn)
     decode = _decode_group(single, cache, whole_batch=whole) if single else None
     prefills = [_prefill_chunk(c, cache, q_per_kv) for c in chunks if c.num_tokens > 1]
@@ -166,6 +172,14 @@ def build_attention_batch(
 def _flex_decode(single: Sequence[SeqChunk], cache: PagedKVCache, whole_batch: bool, q_per_kv: int) -> FlexDecode:
     rows = None if whole_batch else torch.tensor([c.row_start for c in single], device=cache.k.device)
     return build_flex_decode([c.start_pos + 1 for c in single], [c.block_ids for c in single], rows, cache, q_per_kv)
+
+
+def _flex_or_gathered_chunk(c: SeqChunk, cache: PagedKVCache, q_per_kv: int) -> PrefillChunk | FlexChunk:
+    """A multi-token chunk on the FlexAttention path: fresh (causal SDPA), short context (SDPA over its
+    gathered blocks) or long context (FlexAttention in place); see FLEX_CHUNK_MIN_CONTEXT."""
+    if c.start_pos == 0 or c.start_pos + c.num_tokens <= FLEX_CHUNK_MIN_CONTEXT:
+        return _prefill_chunk(c, cache, q_per_kv)
+    return build_flex_chunk(c.row_start, c.num_tokens, c.start_pos, c.block_ids, cache)
 
 
 def _fresh_chunk(c: SeqChunk) -> PrefillChunk:

@@ -21,7 +21,9 @@ import torch
 
 from cllm.backends.base import Admission, Backend, BackendCapacity, BackendError, KVCacheFullError, Tokenizer
 from cllm.backends.packing import pack_inputs
-from cllm.backends.torch.attention import SeqChunk, attention_mode, build_attention_batch, slot_mapping
+from cllm.backends.torch.attention import (
+    FLEX_CHUNK_MIN_CONTEXT, SeqChunk, attention_mode, build_attention_batch, slot_mapping,
+)
 from cllm.backends.torch.block_manager import BlockManager
 from cllm.backends.torch.compile_errors import is_compile_error
 from cllm.backends.torch.cuda_graphs import DecodeGraphs, graph_buckets
@@ -76,6 +78,7 @@ class TorchBackend(Backend):
         )
         del loaded
         block_size = config.torch.block_size
+        self._attention = attention_mode(config.torch.attention, self.device, block_size)
         max_seqs, max_tokens = _step_limits(config, self.device)
         if self.device.type == "cuda" and config.model.n_ctx is None:
             # CUDA, n_ctx unset: the model's trained context, as far as the pool sized from memory holds it
@@ -90,7 +93,6 @@ class TorchBackend(Backend):
             max_len = _max_model_len(self.spec, _kv_tokens(config))
             num_blocks = self._num_blocks(config, block_size, max_seqs, max_tokens, max_len)
         self.blocks = BlockManager(num_blocks=num_blocks, block_size=block_size)
-        self._attention = attention_mode(config.torch.attention, self.device, block_size)
         # FlexAttention's eager fallback is dense over the whole pool: compiled on CUDA always, on CPU when asked.
         self._flex_fn = flex_function(self.device.type == "cuda" or config.torch.torch_compile)
         # One extra block no sequence owns: padding rows of captured decode graphs write and read only it.
@@ -148,11 +150,17 @@ class TorchBackend(Backend):
         started = time.monotonic()
         log.info("compiling attention kernels for prefill and mixed steps (about 10-40 s the first time)")
         seqs = [f"__warm_up_{i}" for i in range(3)]
-        tokens = [[1 + (7 * i + j) % 97 for j in range(96)] for i in range(3)]
-        steps = [  # (sequence, tokens this step) per step; positions follow each sequence's KV
-            [(0, 40), (1, 40)],  # fresh prefills (SDPA's causal kernel, nothing compiled)
-            [(0, 20)],  # a chunk after a cached prefix
-            [(0, 17), (1, 33)],  # two of them
+        # Sequence 0 has a long prefix (FlexAttention serves chunks after one: FLEX_CHUNK_MIN_CONTEXT);
+        # its prefill is split to fit the step budget.
+        long = FLEX_CHUNK_MIN_CONTEXT + 64 <= self._capacity.max_model_len
+        prefix = FLEX_CHUNK_MIN_CONTEXT if long else 40
+        per_step = max(1, self._capacity.max_batch_tokens - 64)
+        tokens = [[1 + (7 * i + j) % 97 for j in range((prefix if i == 0 else 0) + 96)] for i in range(3)]
+        steps = [[(0, min(per_step, prefix - k))] for k in range(0, prefix, per_step)]  # sequence 0's prefix
+        steps += [  # (sequence, tokens this step) per step; positions follow each sequence's KV
+            [(1, 40)],  # a fresh prefill (SDPA's causal kernel, nothing compiled)
+            [(0, 20)],  # a chunk after a (long) cached prefix
+            [(0, 17), (1, 33)],  # two chunks after cached prefixes
             [(0, 1), (1, 5)],  # a decode beside a chunk
             [(0, 1), (1, 1), (2, 30)],  # two decodes beside a fresh prefill
             [(0, 1), (1, 1), (2, 1)],  # a pure decode, run without the graphs below
