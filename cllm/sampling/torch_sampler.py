@@ -68,15 +68,18 @@ def _flat_index(per_row: Sequence[np.ndarray], vocab: int) -> np.ndarray:
 def _apply_biases_and_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
     """Every row's bias, penalties and min_tokens mask as a few batched scatters (no per-row kernels)."""
     vocab, device, flat = logits.shape[1], logits.device, logits.view(-1)
-    bias_ids = [np.fromiter(r.params.logit_bias.keys(), dtype=np.int64) if r.params.logit_bias else np.empty(0, np.int64) for r in rows]
-    if any(len(b) for b in bias_ids):
+    # Each part is looked for first: building a per-row array for every row of a plain batch was ~1 µs
+    # a row and step.
+    if any(r.params.logit_bias for r in rows):
+        bias_ids = [np.fromiter(r.params.logit_bias.keys(), dtype=np.int64) if r.params.logit_bias
+                    else np.empty(0, np.int64) for r in rows]
         values = np.concatenate([np.fromiter(r.params.logit_bias.values(), dtype=np.float32) for r in rows if r.params.logit_bias])
         flat.index_add_(0, _to(device, _flat_index(bias_ids, vocab)), _to(device, values))
     if any(r.params.has_penalties for r in rows):
         _apply_penalties(logits, rows)
-    blocked = [np.fromiter(r.stop_ids, dtype=np.int64) if len(r.output_token_ids) < r.params.min_tokens and r.stop_ids
-               else np.empty(0, np.int64) for r in rows]
-    if any(len(b) for b in blocked):
+    if any(r.stop_ids and len(r.output_token_ids) < r.params.min_tokens for r in rows):
+        blocked = [np.fromiter(r.stop_ids, dtype=np.int64) if len(r.output_token_ids) < r.params.min_tokens and r.stop_ids
+                   else np.empty(0, np.int64) for r in rows]
         _suppress_stop(logits, _to(device, _flat_index(blocked, vocab)))
 
 

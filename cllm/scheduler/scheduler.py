@@ -19,6 +19,10 @@ from cllm.scheduler.output import ScheduledChunk, SchedulerOutput
 from cllm.scheduler.queue import WaitingQueue
 
 
+# A prompt whose logprobs are asked for is evaluated at most this many tokens a step: every one of its
+# tokens then needs a row of logits ([tokens, vocab] float32: 4 GB for 8,192 tokens at a 128 k
+# vocabulary, then copied to the host for the log-softmax), not only the last.
+SCORED_CHUNK_TOKENS = 512
 MIN_PREFILL_PER_STEP = 16  # prompt tokens a step carries beside decodes however slow a token is
 COST_SAMPLE_TOKENS = 32  # smallest step whose time counts towards the cost per token
 COST_SMOOTHING = 0.2  # weight of the newest step in that moving average
@@ -135,7 +139,7 @@ class Scheduler:
                     return 0
                 if req.status is not RequestStatus.RUNNING:
                     continue  # preempted as a victim earlier this step
-                n = min(req.num_tokens - req.num_computed_tokens, budget)
+                n = _scored_cap(req, min(req.num_tokens - req.num_computed_tokens, budget))
                 if group is prefilling:
                     if prefill_left <= 0:
                         break
@@ -227,7 +231,7 @@ class Scheduler:
             req.num_computed_tokens = admission.num_cached_tokens
             if req.num_cached_tokens is None:
                 req.num_cached_tokens = admission.num_cached_tokens
-        n = min(req.num_tokens - req.num_computed_tokens, budget)
+        n = _scored_cap(req, min(req.num_tokens - req.num_computed_tokens, budget))
         ok = self.backend.reserve(req.request_id, req.num_computed_tokens + n)
         restore_failed = False
         if ok and req.swapped_state is not None:
@@ -337,3 +341,8 @@ class Scheduler:
         victim = max(candidates, key=self.waiting.sort_key)
         self._preempt(victim)
         return victim
+
+
+def _scored_cap(req: Request, n: int) -> int:
+    """``n`` tokens, at most SCORED_CHUNK_TOKENS while the request's prompt is being scored."""
+    return min(n, SCORED_CHUNK_TOKENS) if req.needs_prompt_logits else n

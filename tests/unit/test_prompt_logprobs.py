@@ -97,3 +97,19 @@ def test_hand_off_mid_prefill_keeps_scoring(steps_before: int) -> None:
             out = o
     assert [e.logprob if e else None for e in out.prompt_logprobs] == pytest.approx(expected(PROMPT), abs=1e-5)
     assert out.outputs[0].token_ids == [11, 12]
+
+
+def test_a_scored_prompt_is_evaluated_in_bounded_chunks() -> None:
+    """Prompt logprobs need a row of logits per prompt token: at most SCORED_CHUNK_TOKENS of them a step."""
+    from cllm.scheduler.scheduler import SCORED_CHUNK_TOKENS
+    from tests.unit.fakes import FakeBackend, fake_config, run_all
+    import cllm
+
+    backend = FakeBackend(slots=2, max_batch_tokens=4096, kv_tokens=100_000, max_model_len=8192)
+    llm = cllm.LLM(backend=backend, config=fake_config())
+    prompt = [i % 60 for i in range(1300)]
+    llm.engine.add_request(prompt, cllm.SamplingParams(max_tokens=1, prompt_logprobs=1, temperature=0), request_id="s")
+    final = run_all(llm.engine)["s"]
+    sizes = [len(flat) for flat, _, _ in backend.batches]
+    assert max(sizes) <= SCORED_CHUNK_TOKENS and sum(sizes) == 1300 + 0  # the prompt in bounded chunks, no decode step
+    assert len(final.prompt_logprobs) == 1300
