@@ -159,6 +159,10 @@ class StructuredConfig(_Section):
     max_parallel_tool_calls: int = Field(4, ge=1, le=128, description="most calls in one forced reply (tool_choice required with parallel_tool_calls); bounds a small model that would repeat calls until max_tokens")
     tool_call_parser: Literal["auto", "hermes", "llama3_json", "mistral", "generic"] = Field("auto", description="how tool calls are read out of the model's text: auto = from the chat template (<tool_call> -> hermes, [TOOL_CALLS] -> mistral, <|python_tag|>/ipython -> llama3_json; a template that does not render tools -> generic, with the tools described in the system message)")
     reasoning_parser: Literal["auto", "none", "deepseek_r1", "qwen3", "glm45", "mistral", "seed_oss", "kimi"] = Field("auto", description="how a reasoning model's thinking is split from its answer (reasoning_content in chat, reasoning items in Responses, thinking blocks in Messages): auto = from the chat template (</think> -> deepseek_r1, [THINK] -> mistral, <seed:think> -> seed_oss, ◁think▷ -> kimi; none of them -> none); none = off (thinking stays in the content); deepseek_r1 / qwen3 / glm45 = <think>…</think>")
+    max_constraint_bytes: int = Field(256 * 1024, ge=1024, le=1 << 26, description="largest json_schema / grammar / regex / choice list a request may send (UTF-8 bytes); larger is a 400 naming the field")
+    max_constraint_depth: int = Field(40, ge=2, le=1024, description="deepest JSON nesting of a schema (and () nesting of a grammar or regex); deeper is a 400")
+    grammar_compile_timeout_s: float = Field(10.0, gt=0, le=3600, description="budget of one grammar compile, queueing included; past it the request gets a 400 (the compile finishes in the background and is cached)")
+    grammar_cache_mib: int = Field(128, ge=1, le=1 << 20, description="compiled grammars kept together (their token masks), MiB; the least recently used go first")
 
 
 class ClusterConfig(_Section):

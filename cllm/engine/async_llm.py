@@ -46,7 +46,7 @@ PUBLISH_EVERY_S = 0.05
 # and none has come for BURST_QUIET_S (at most BURST_MAX_WAIT_S), so that a burst (clients whose
 # previous requests ended in the same step) is prefilled in one step. Starting at the first arrival
 # put the burst's first half into one step and the other half into the next, where it stalled the
-# first half's decodes: 64 clients, 16-token outputs: ITL p99 3.6 s (notes/perf-issue8.md, wave 4).
+# first half's decodes: 64 clients, 16-token outputs: ITL p99 3.6 s (benchmarks/results/performance_log_llama_cpp.md, wave 4).
 # A 3 ms quiet window alone still split bursts whose requests sat in tokenisation threads (wave 5);
 # counting those lets the window shrink, so a lone request waits BURST_QUIET_S = 1 ms.
 # Clients in a closed loop (a benchmark's or an eval harness's N workers) send their next request as
@@ -263,7 +263,7 @@ class AsyncLLM:
         request must not wait behind it. While a burst is being gathered (``gathering``) the engine
         waits anyway, so the work goes on whoever is owed: in a closed loop of 64 clients on the AVX2
         EPYC the 64 saves at admission (1-15 ms each, mostly page faults) came after the gather and
-        put 0.7-2 s in front of the burst's prefill (notes/perf-issue8.md, "Wave 10")."""
+        put 0.7-2 s in front of the burst's prefill (benchmarks/results/performance_log_llama_cpp.md, "Wave 10")."""
         self._owe(0)
         if self._owed and not gathering:
             return False

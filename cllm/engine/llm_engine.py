@@ -31,6 +31,7 @@ from cllm.sampling.sampler import SampledToken, SamplingRow
 from cllm.scheduler.output import ScheduledChunk, SchedulerOutput
 from cllm.scheduler.scheduler import Scheduler
 from cllm.structured import StructuredOutputs
+from cllm.structured.limits import ConstraintLimits
 from cllm.structured.manager import PendingMask
 
 Prompt = str | Sequence[int]
@@ -44,7 +45,10 @@ class LLMEngine:
         self.backend = backend if backend is not None else create_backend(config)
         self.tokenizer = self.backend.tokenizer
         self.scheduler = Scheduler(self.backend, config.scheduler)
-        self.structured = StructuredOutputs(self.tokenizer, config.structured.grammar_cache_size)
+        sc = config.structured
+        limits = ConstraintLimits(max_text_bytes=sc.max_constraint_bytes, max_depth=sc.max_constraint_depth,
+                                  compile_timeout_s=sc.grammar_compile_timeout_s, cache_bytes=sc.grammar_cache_mib << 20)
+        self.structured = StructuredOutputs(self.tokenizer, sc.grammar_cache_size, limits)
         self.max_model_len = self.backend.capacity.max_model_len
         self._groups: dict[str, RequestGroup] = {}
         self._group_of: dict[str, tuple[RequestGroup, int]] = {}

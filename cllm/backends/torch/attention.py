@@ -43,7 +43,7 @@ except ImportError:  # the SDPA path serves every device
 FLASH_PAGE_MULTIPLE = 256  # flash-attn's paged KV needs page sizes divisible by this
 # On CPU, torch's flash-SDPA kernel is tuned for long query blocks; for a decode
 # group (3 folded query rows per kv head) plain matmul + softmax beat it once the
-# gathered keys are this many or more (B * max_len), and lose below (notes/torch.md).
+# gathered keys are this many or more (B * max_len), and lose below (benchmarks/results/performance_log_torch.md).
 MATMUL_DECODE_MIN_KEYS = 512
 # On the FlexAttention path, a chunk after a cached prefix whose context (prefix + chunk) is at most this
 # long is attended with SDPA over its gathered blocks rather than with FlexAttention. A compiled
@@ -113,7 +113,7 @@ def flash_usable(device: torch.device, block_size: int) -> bool:
 
 def attention_mode(setting: str, device: torch.device, block_size: int) -> str:
     """The attention path: ``auto`` = flash-attn's paged kernel on CUDA when usable, else FlexAttention
-    on CUDA; SDPA on CPU (compiled FlexAttention is no faster there and costs a compile, notes/torch.md)."""
+    on CUDA; SDPA on CPU (compiled FlexAttention is no faster there and costs a compile, benchmarks/results/performance_log_torch.md)."""
     if setting == "flash" and not flash_usable(device, block_size):
         raise ValueError(
             f"attention='flash' needs CUDA, the flash_attn package and block_size % {FLASH_PAGE_MULTIPLE} == 0 "

@@ -12,7 +12,6 @@ import io
 import json
 import logging
 import os
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -37,6 +36,7 @@ from cllm.backends.torch.model import CausalLM
 from cllm.backends.torch.tokenizer import HFTokenizer
 from cllm.config import CllmConfig
 from cllm.model_path import resolve_model_path
+from cllm.progress import phase
 
 log = logging.getLogger("cllm.torch")
 
@@ -125,19 +125,17 @@ class TorchBackend(Backend):
             scratch_block=self._scratch_block, flex_fn=self._flex_fn, capture=True,
             q_per_kv=self.spec.num_heads // self.spec.num_kv_heads,
         )
-        started = time.monotonic()
-        log.info("capturing %d CUDA graphs for decode steps (batch sizes %d..%d; about a second per 10)",
-                 len(graphs.buckets), graphs.buckets[0], graphs.buckets[-1])
+        what = f"capturing CUDA graphs for decode steps (batch sizes {graphs.buckets[0]}..{graphs.buckets[-1]})"
         try:
-            with torch.inference_mode():
-                graphs.capture_all()
+            with phase(what, total=len(graphs.buckets), unit="graph", estimate_s=0.3 * len(graphs.buckets)) as progress, \
+                    torch.inference_mode():
+                graphs.capture_all(on_each=progress.advance)
         except Exception as err:  # a capture or compile failure costs speed, never a request
             log.warning("CUDA graph capture failed (%s: %s): decode steps run without graphs",
                         type(err).__name__, str(err).splitlines()[0] if str(err) else "")
             del graphs
             torch.cuda.empty_cache()
             return None
-        log.info("captured %d CUDA graphs in %.1f s", len(graphs.buckets), time.monotonic() - started)
         return graphs
 
     def _warm_up(self) -> None:
@@ -147,8 +145,11 @@ class TorchBackend(Backend):
         call per kind compiles what every later size of it uses; a first request no longer waits
         seconds for it (the first burst of 16 streams waited 5.4 s on an H200), and a compile failure
         shows here, where it switches the eager steps to SDPA (see _forward_eager)."""
-        started = time.monotonic()
-        log.info("compiling attention kernels for prefill and mixed steps (about 10-40 s the first time)")
+        with phase("compiling attention kernels for prefill and mixed steps", estimate_s=30.0):
+            self._warm_up_steps()
+        log.info("attention for steps without a graph: %s", self._eager_attention)
+
+    def _warm_up_steps(self) -> None:
         seqs = [f"__warm_up_{i}" for i in range(3)]
         # Sequence 0 has a long prefix (FlexAttention serves chunks after one: FLEX_CHUNK_MIN_CONTEXT);
         # its prefill is split to fit the step budget.
@@ -187,7 +188,6 @@ class TorchBackend(Backend):
         finally:
             for s in seqs:
                 self.release(s, keep_cache=False)
-        log.info("attention kernels ready in %.1f s (%s)", time.monotonic() - started, self._eager_attention)
 
     def _num_blocks(self, config: CllmConfig, block_size: int, max_seqs: int, max_tokens: int, max_len: int) -> int:
         """CPU: n_ctx tokens. CUDA: what gpu_memory_utilization leaves after the weights (ValueError if

@@ -120,10 +120,13 @@ class DecodeGraphs:
         self._pool: tuple[int, int] | None = None  # memory pool shared by all captured graphs
         self._logits: torch.Tensor | None = None  # [largest bucket, vocab] float32: every graph's output rows
 
-    def capture_all(self) -> None:
-        """Build (and on CUDA capture) every bucket up front, largest first (graphs share a memory pool)."""
+    def capture_all(self, on_each: Callable[[], None] | None = None) -> None:
+        """Build (and on CUDA capture) every bucket up front, largest first (graphs share a memory pool);
+        ``on_each`` is called after each (progress)."""
         for b in sorted(self.buckets, reverse=True):
             self._bucket(b)
+            if on_each is not None:
+                on_each()
 
     def run(self, ids: np.ndarray, chunks: Sequence[SeqChunk]) -> torch.Tensor | None:
         """Float32 logits ``[n, vocab]`` of a pure decode step; None if it is larger than every bucket."""

@@ -29,7 +29,7 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     On a CPU with AVX512-BF16 / AMX, bf16 weights halve the bytes each decode
     step streams and use the bf16 dot-product units: measured 1.6x (1 sequence)
     and 1.4x (16) faster decode than float32 end to end, for about 2 points
-    less top-1 agreement with llama.cpp (notes/torch.md).
+    less top-1 agreement with llama.cpp (benchmarks/results/performance_log_torch.md).
     """
     if name != "auto":
         return DTYPES[name]

@@ -21,7 +21,7 @@ context; the kernel walks each sequence's own block list.
 
 FlexAttention's eager fallback computes the dense score matrix over the whole
 pool (seconds per call on a large pool), so it must run compiled for speed;
-on CPU this path is selectable but not the default (notes/torch.md, numbers).
+on CPU this path is selectable but not the default (benchmarks/results/performance_log_torch.md, numbers).
 """
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ weight out on every call. Reordering it once into oneDNN's blocked format
 (what inductor's freezing pass does) and calling the oneDNN linear directly
 measured, per decode step of SmolLM2-135M on one thread (CPU time):
 bf16 8.2 -> 4.3 ms at 1 token, 14.6 -> 10.0 ms at 16; fp32 52 -> 20 ms at 16
-(notes/torch.md). The ops are private to torch, so the packed path is probed
+(benchmarks/results/performance_log_torch.md). The ops are private to torch, so the packed path is probed
 once per dtype against ``F.linear``; where it fails, layers keep the plain weight.
 
 A float32 model can instead keep its weights in float16 (``fp16_weights``): fbgemm's
