@@ -205,6 +205,8 @@ class ChatFormatter:
             if reply.finished:
                 continue
             reason = o.finish_reason if o.finish_reason in NORMAL_FINISH else None
+            if reason:
+                _check_forced_call(self._reply, o.text, reason)  # before anything of the reply's end goes out
             if self._plain:
                 yield from self._plain_chunks(o.index, reply, o.text_delta, o.logprobs_delta, reason)
             else:
@@ -263,6 +265,7 @@ def build_chat(meta: ResponseMeta, final: RequestOutput, logprobs: bool, reply: 
         finish = o.finish_reason
         message = ChatResponseMessage(content=o.text)
         if finish in NORMAL_FINISH:
+            _check_forced_call(fmt, o.text, finish)
             parsed = read_reply(o.text, fmt)
             message = _message(parsed.content, parsed.tool_calls, parsed.reasoning)
             finish = "tool_calls" if parsed.tool_calls else finish
@@ -271,6 +274,18 @@ def build_chat(meta: ResponseMeta, final: RequestOutput, logprobs: bool, reply: 
     return ChatCompletionResponse(
         id=meta.id, created=meta.created, model=meta.model, choices=choices, usage=total_usage([final])
     )
+
+
+def _check_forced_call(fmt: ReplyFormat, text: str, finish: str) -> None:
+    """A forced call (tool_choice required or a named function) comes back as a call or as this error,
+    which says what cut it short (max_tokens, or the request's own stop strings): never as plain text
+    with finish_reason "stop" (issue 27 item 3)."""
+    plan = fmt.plan
+    if plan is None:
+        return
+    reason = plan.missing_call(text, finish)
+    if reason is not None:
+        raise bad_request(reason, param="max_tokens" if finish == "length" else "stop", code="tool_call_incomplete")
 
 
 def _message(text: str, calls: list[ToolCall] | None, reasoning: str | None = None) -> ChatResponseMessage:

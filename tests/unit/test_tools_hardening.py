@@ -197,3 +197,24 @@ def test_chat_route_answers_plain_json_as_content(stream):
 def test_chat_route_still_reads_a_generic_call(stream):
     with _chat_app('{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Oslo"}}]}') as client:
         assert _chat(client, stream) == (None, [("get_weather", {"city": "Oslo"})], "tool_calls")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_forced_call_cut_short_is_an_error_that_says_why(stream):
+    """tool_choice required: a reply that max_tokens cut before the call was complete is a 400 naming
+    max_tokens (an error event when streamed), never plain text with no call."""
+    with _chat_app('{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Oslo"}}]}') as client:
+        body = {"messages": [{"role": "user", "content": "Who?"}], "tools": [WEATHER], "tool_choice": "required",
+                "max_tokens": 12, "stream": stream}
+        resp = client.post("/v1/chat/completions", json=body)
+        if not stream:
+            assert resp.status_code == 400, resp.text
+            error = resp.json()["error"]
+        else:
+            assert resp.status_code == 200
+            events = [json.loads(line[6:]) for line in resp.text.splitlines() if line.startswith("data: {")]
+            error = events[-1]["error"]
+            assert not any(c.get("finish_reason") for e in events[:-1] for c in e.get("choices", []))
+        assert error["code"] == "tool_call_incomplete" and error["param"] == "max_tokens" and "max_tokens" in error["message"]
+        ok = client.post("/v1/chat/completions", json={**body, "max_tokens": 200, "stream": False})
+        assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] == "tool_calls"
