@@ -63,11 +63,14 @@ PUBLISH_EVERY_S = 0.05
 # The same 25 ms window holds once two requests have come in with none owed (N clients starting
 # together): with 1 ms the benchmark's opening 64 split 26 + 38 there, and the two groups, ending
 # apart, kept splitting every later round.
-# The engine thread runs at most MAX_STEPS_AHEAD steps ahead of each caller event loop: a step's outputs
-# are handed over by a callback on the loop, and before handing over another the engine waits (up to
-# AHEAD_WAIT_S, so a wedged loop never stops it) until the loop has run all but MAX_STEPS_AHEAD - 1 of
-# them. Without it a starved event loop let the engine run arbitrarily far ahead of its readers, and
-# an abort (a client leaving) landed whenever the loop got the GIL back (issue 27 item 9).
+# Outputs reach a caller's event loop in hand-overs: one callback on the loop with every request's
+# output, at most one outstanding per loop. While the loop has not run the last one (it is behind: busy
+# streaming), each request's new outputs are merged into the one waiting for it (deltas concatenated),
+# so a loop that falls behind gets fewer, larger outputs (several tokens to one SSE event) instead of a
+# backlog of callbacks and a per-token cost that grows with it. When a loop has been behind for
+# MAX_STEPS_AHEAD steps the engine waits for it, up to AHEAD_WAIT_S per step (a wedged loop never stops
+# it): a starved event loop gets the GIL back, and an abort (a client leaving) is seen within a few
+# steps instead of whenever the loop gets to run (issue 27 item 9).
 MAX_STEPS_AHEAD = 8
 AHEAD_WAIT_S = 0.05
 BURST_QUIET_S = 0.001
@@ -84,6 +87,15 @@ class _Stream:
     loop: asyncio.AbstractEventLoop  # the caller's event loop
     queue: asyncio.Queue  # RequestOutput items, or an exception to raise
     error: BaseException | None = None  # an exception that came after outputs, raised once those are out
+
+
+@dataclass(slots=True)
+class _Outbox:
+    """Outputs for one caller event loop not handed over yet; the engine thread's alone."""
+
+    held: dict[str, tuple[asyncio.Queue, RequestOutput]]  # request id -> its queue and its (merged) output
+    free: threading.Event  # set once the loop has run the last hand-over (none outstanding)
+    behind: int = 0  # steps the loop has been behind
 
 
 @dataclass(slots=True)
@@ -122,7 +134,7 @@ class AsyncLLM:
         self._close_pending = False  # shutdown asked the engine thread to free the engine on exit
         # (stats, running requests) published by the engine thread after every step and command
         # per caller event loop (weakly: short-lived loops come and go), see MAX_STEPS_AHEAD
-        self._gates: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, threading.Semaphore] = weakref.WeakKeyDictionary()
+        self._outboxes: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Outbox] = weakref.WeakKeyDictionary()
         self._snapshot: tuple[EngineStats, list[RunningRequestInfo]] | None = None
         self._published_at = 0.0  # time.monotonic() of the latest snapshot
 
@@ -194,6 +206,7 @@ class AsyncLLM:
                 taken = self._drain_inbox()
                 self._run_embed_jobs()
                 if not self.engine.has_unfinished():
+                    self._flush_outboxes()
                     if not self._idle_work():  # after a unit of it the inbox is looked at again
                         self._wake.wait(IDLE_WAIT_S)
                         self._wake.clear()
@@ -324,27 +337,55 @@ class AsyncLLM:
         self._wake.set()
 
     def _deliver_step(self, outputs: list[RequestOutput]) -> None:
-        """A step's outputs, with one wake-up per caller event loop rather than one per request:
-        each call_soon_threadsafe writes to the loop's self-pipe and takes the GIL back and forth,
-        which at 64 streams cost more than the queue puts themselves."""
-        batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
+        """A step's outputs: merged into what each loop has not been handed yet, then handed over to
+        every loop that has run its last hand-over (see MAX_STEPS_AHEAD). One wake-up per loop, not per
+        request: each call_soon_threadsafe writes to the loop's self-pipe and takes the GIL back and forth."""
         for out in outputs:
             stream = self._streams.get(out.request_id)
-            if stream is not None:
-                batches.setdefault(stream.loop, []).append((stream.queue, out))
-        for loop, items in batches.items():
-            if loop.is_closed():
+            if stream is None:
                 continue
-            gate = self._gates.get(loop)
-            if gate is None:
-                gate = self._gates[loop] = threading.Semaphore(MAX_STEPS_AHEAD)
-            held = gate.acquire(timeout=AHEAD_WAIT_S)  # see MAX_STEPS_AHEAD
-            loop.call_soon_threadsafe(_put_all, items, gate if held else None)
+            box = self._outboxes.get(stream.loop)
+            if box is None:
+                box = self._outboxes[stream.loop] = _Outbox({}, threading.Event())
+                box.free.set()
+            prev = box.held.get(out.request_id)
+            box.held[out.request_id] = (stream.queue, out if prev is None else merge_outputs(prev[1], out))
+        for loop, box in list(self._outboxes.items()):
+            if box.held:
+                self._hand_over(loop, box)
+
+    def _hand_over(self, loop: asyncio.AbstractEventLoop, box: _Outbox, *, force: bool = False) -> None:
+        if loop.is_closed():
+            box.held.clear()
+            return
+        if not force and not box.free.is_set():
+            box.behind += 1
+            if box.behind < MAX_STEPS_AHEAD or not box.free.wait(AHEAD_WAIT_S):
+                return  # still behind: keep merging (one output per request, however many steps)
+        box.behind = 0
+        items = list(box.held.values())
+        box.held.clear()
+        box.free.clear()
+        loop.call_soon_threadsafe(_put_all, items, box.free)
+
+    def _flush_outboxes(self) -> None:
+        """Hand over everything held (the engine is going idle: no later step would)."""
+        for loop, box in list(self._outboxes.items()):
+            if box.held:
+                self._hand_over(loop, box, force=True)
 
     def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
+        """One item for one request (an error, an abort's final output), after whatever of its output is
+        still held, in one callback: callbacks run in order, so the request's outputs stay in order."""
         stream = self._streams.get(request_id)
-        if stream is not None and not stream.loop.is_closed():
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+        if stream is None or stream.loop.is_closed():
+            return
+        items = []
+        box = self._outboxes.get(stream.loop)
+        if box is not None and request_id in box.held:
+            items.append(box.held.pop(request_id))
+        items.append((stream.queue, item))
+        stream.loop.call_soon_threadsafe(_put_all, items, None)
 
     # ------------------------------------------------------------- requests
     async def generate(self, prompt: Prompt, params: SamplingParams | None = None, *, request_id: str | None = None,
@@ -622,13 +663,14 @@ def _name_os_thread(name: str) -> None:
         pass
 
 
-def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]], gate: threading.Semaphore | None) -> None:
+def _put_all(items: list[tuple[asyncio.Queue, Any]], done: threading.Event | None) -> None:
+    """On the caller's loop: queue a hand-over's items, then tell the engine thread it was taken."""
     try:
         for queue_, item in items:
             queue_.put_nowait(item)
     finally:
-        if gate is not None:
-            gate.release()
+        if done is not None:
+            done.set()
 
 
 def _take_all(jobs: queue.SimpleQueue[_EmbedJob]) -> list[_EmbedJob]:
