@@ -29,6 +29,7 @@ from cllm.stress.fuzz import run_fuzz
 from cllm.stress.load import run_load
 from cllm.stress.server_process import ServerProcess, finish_server, start_server
 from cllm.stress.sigterm import run_sigterm
+from cllm.stress.stalled import run_stalled_readers, start_null_server
 
 
 @dataclass(slots=True, frozen=True)
@@ -39,12 +40,13 @@ class Size:
     fuzz_examples: int  # fuzz: generated cases per POST route and generation mode
     flood_requests: int  # flood: requests at once
     slow_reader_s: float  # slow readers: seconds 20 streams are read slowly
+    stalled_streams: int  # stalled readers: long-prompt streams that stop reading (null server)
 
 
 SIZES = {
-    "ci": Size(200, 60, 300, 6.0),
-    "medium": Size(1_000, 100, 600, 20.0),
-    "full": Size(10_000, 250, 1_000, 60.0),
+    "ci": Size(200, 60, 300, 6.0, 4),
+    "medium": Size(1_000, 100, 600, 20.0, 8),
+    "full": Size(10_000, 250, 1_000, 60.0, 16),
 }
 SERVER_ARGS = ("--n-seq-max", "8", "--n-ctx", "8192", "--log-level", "warning")
 
@@ -93,12 +95,21 @@ def _scenarios() -> dict[str, Callable[[Size], tuple[Any, list[str]]]]:
         r = _with_server(flood_args, lambda s: asyncio.run(run_slow_readers(s, readers=20, seconds=size.slow_reader_s)))
         return r, verdicts.slow_reader_failures(r)
 
+    def stalled(size: Size) -> tuple[Any, list[str]]:
+        server = start_null_server("stream_stall_timeout_s=3", "log_level=warning", sndbuf=16384)
+        try:
+            r = asyncio.run(run_stalled_readers(server, streams=size.stalled_streams, prompt_tokens=4000,
+                                                max_tokens=16000))
+        finally:
+            finish_server(server)
+        return r, verdicts.stalled_failures(r)
+
     def faults(_: Size) -> tuple[Any, list[str]]:
         r = run_decode_fault()
         return r, verdicts.fault_failures(r)
 
     return {"load": load, "disconnects": disconnects, "fuzz": fuzz, "flood": flood,
-            "slow_readers": slow_readers, "faults": faults, "sigterm": _sigterm}
+            "slow_readers": slow_readers, "stalled": stalled, "faults": faults, "sigterm": _sigterm}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -267,8 +267,9 @@ class TorchBackend(Backend):
             logits = self._run(ids, pos, chunks, rows)
         except Exception as err:  # the engine fails these sequences and lives on
             raise BackendError(f"torch forward failed: {type(err).__name__}: {err}", [c.seq_id for c in chunks]) from err
+        flat = ids.tolist()  # one conversion, sliced per sequence (not one small array's tolist each)
         for c in chunks:
-            self.blocks.record_computed(c.seq_id, c.start_pos, ids[c.row_start : c.row_end].tolist())
+            self.blocks.record_computed(c.seq_id, c.start_pos, flat[c.row_start : c.row_end])
         return logits
 
     def _split(self, ids: np.ndarray, pos: np.ndarray, sequence_ids: Sequence[str]) -> list[StepChunk]:
