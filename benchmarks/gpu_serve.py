@@ -80,9 +80,11 @@ def engine_offline(model_dir: Path, args: argparse.Namespace) -> dict[int, float
             prompts = [_prompt_ids(i, args.prompt_len) for i in range(b)]
             params = cllm.SamplingParams(max_tokens=args.tokens, temperature=0, ignore_eos=True)
             llm.generate(prompts, cllm.SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
+            profile = _Profile(args.py_spy if b == LEVELS[-1] else None, f"engine_{b}", os.getpid(), 4)
             t0 = time.perf_counter()
             results = llm.generate(prompts, params)
             wall = time.perf_counter() - t0
+            profile.wait()
             bad = [r for r in results if r.outputs[0].finish_reason != "length"]
             if bad:
                 raise RuntimeError(f"engine run: {len(bad)} requests ended {bad[0].outputs[0].finish_reason}: {bad[0].error}")
@@ -94,6 +96,23 @@ def engine_offline(model_dir: Path, args: argparse.Namespace) -> dict[int, float
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     return out
+
+
+class _Profile:
+    """``py-spy record`` of a process for a while, in the background (``--py-spy DIR``): raw stacks."""
+
+    def __init__(self, directory: Path | None, name: str, pid: int, seconds: float) -> None:
+        self.proc = None
+        if directory is not None and shutil.which("py-spy"):
+            directory.mkdir(parents=True, exist_ok=True)
+            self.proc = subprocess.Popen(["py-spy", "record", "--pid", str(pid), "--duration", str(int(seconds)),
+                                          "--rate", "200", "--format", "raw", "--output", str(directory / f"{name}.txt")],
+                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            time.sleep(0.5)  # attached before the work starts
+
+    def wait(self) -> None:
+        if self.proc is not None:
+            self.proc.wait(timeout=120)
 
 
 def _prompt_ids(i: int, n: int) -> list[int]:
@@ -181,7 +200,9 @@ def serve(model_dir: Path, args: argparse.Namespace) -> dict:
         out["first_burst"] = drive(port, top, 1, 64, args)
         out[LEVELS[0]] = drive(port, LEVELS[0], 3, args.itl_tokens, args)
         out[LEVELS[1]] = drive(port, LEVELS[1], 4, args.tokens, args)
+        profile = _Profile(args.py_spy, f"server_{top}", proc.pid, 8)
         out[top] = drive(port, top, 5, args.tokens, args)
+        profile.wait()
         out["warm_burst"] = drive(port, top, 1, 64, args)
         return out
     finally:
@@ -252,6 +273,8 @@ def main() -> None:
     p.add_argument("--skip", nargs="*", default=[], choices=["engine"], help="parts to leave out")
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--smoke", action="store_true", help="CPU, a 2-layer model, 1/4/8 streams: checks the script")
+    p.add_argument("--py-spy", type=Path, default=None, metavar="DIR",
+                   help="record py-spy profiles (raw stacks) of the engine's and the server's largest level here")
     args = p.parse_args()
     global LEVELS
     args.device = "cuda"

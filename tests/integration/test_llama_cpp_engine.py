@@ -168,7 +168,7 @@ def test_injected_decode_failure_fails_only_its_request():
         assert final["r1"].outputs[0].finish_reason == "error" and "llama_decode failed" in final["r1"].error
         assert final["r0"].outputs[0].finish_reason == "length" and final["r2"].outputs[0].finish_reason == "length"
         backend.poison = set()
-        again = llm.generate(PROMPTS[:3], GREEDY)
+        again = llm.generate(PROMPTS[:3], GREEDY_FULL)  # the same settings as the first run: 32 tokens, EOS or not
         assert [o.outputs[0].token_ids for o in again[::2]] == [final["r0"].outputs[0].token_ids, final["r2"].outputs[0].token_ids]
         assert backend.num_free_slots() == 4
 
