@@ -88,3 +88,30 @@ def test_padding_rows_leave_real_rows_and_their_kv_unchanged(backend: TorchBacke
         keep[scratch] = False
         np.testing.assert_allclose(after[:, :, keep].numpy(), before[:, :, keep].numpy(), atol=ATOL, rtol=0)
     assert len(graphs._by_size) == 2 and all(b.graph is None for b in graphs._by_size.values())
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "flex"])
+def test_a_tail_after_a_cached_prefix_attends_as_its_own_prefill_would(tmp_path: "pytest.TempPathFactory", attention: str) -> None:
+    """A short chunk after a cached prefix joins the step's decode group, one query per token
+    (attention._is_tail): its logits equal those of the same tokens evaluated in one prefill, within
+    float32 rounding (the kernels differ), alone and beside another sequence's decode."""
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.1)
+    LlamaForCausalLM(cfg).eval().save_pretrained(tmp_path)
+    backend = TorchBackend(load_config(environ={}, backend="torch", model=str(tmp_path), dtype="float32", device="cpu",
+                                       block_size=BLOCK, n_ctx=256, n_seq_max=8, n_threads=1, attention=attention))
+    rng = np.random.default_rng(1)
+    tokens = rng.integers(0, 300, size=19).tolist()
+    other = rng.integers(0, 300, size=7).tolist()
+    assert backend.admit("whole", tokens, reuse_prefix=False) is not None and backend.reserve("whole", 19)
+    whole = np.asarray(backend.forward_batch(tokens, list(range(19)), ["whole"] * 19, all_logits_for=["whole"]))[1:]
+    # the same tokens: 12 first (three whole blocks), then a 7-token tail beside a decode of "other"
+    for seq, toks in (("split", tokens[:12]), ("other", other)):
+        assert backend.admit(seq, toks, reuse_prefix=False) is not None and backend.reserve(seq, 20)
+        backend.forward_batch(toks, list(range(len(toks))), [seq] * len(toks))
+    tail = tokens[12:]
+    logits = np.asarray(backend.forward_batch([5] + tail, [7] + list(range(12, 19)), ["other"] + ["split"] * 7,
+                                              logits_for=["other", "split"], all_logits_for=["split"]))
+    np.testing.assert_allclose(logits[2:], whole[12:], atol=1e-4, rtol=0)  # every tail token's logits
+    np.testing.assert_allclose(logits[1], whole[18], atol=1e-4, rtol=0)

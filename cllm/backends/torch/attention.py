@@ -52,6 +52,9 @@ MATMUL_DECODE_MIN_KEYS = 512
 # prompts hit the prefix cache, most of a 64-stream server's step time. The gather of a short context
 # costs a few kernels; past this length its copy grows and FlexAttention's in-place read wins.
 FLEX_CHUNK_MIN_CONTEXT = 8192
+# A chunk after a cached prefix of at most this many tokens joins the decode group (see _is_tail): each of
+# its tokens reads the whole context once, so long chunks keep their own (block-wise) call.
+MAX_TAIL_TOKENS = 32
 
 
 @dataclass(slots=True, frozen=True)
@@ -160,13 +163,26 @@ def build_attention_batch(
         return AttentionBatch(rows, None, [], _flash_batch(chunks, block_size, device))
     single = [c for c in chunks if c.num_tokens == 1]
     whole = len(single) == len(chunks)
+    tails = [c for c in chunks if _is_tail(c)]
+    if tails:  # each tail token joins the decode group as a one-token query at its own position
+        single += [SeqChunk(c.row_start + i, 1, c.start_pos + i, c.block_ids) for c in tails for i in range(c.num_tokens)]
+    multi = [c for c in chunks if c.num_tokens > 1 and not _is_tail(c)]
     if mode == "flex":
         decode = _flex_decode(single, cache, whole, q_per_kv) if single else None
-        prefills = [_flex_or_gathered_chunk(c, cache, q_per_kv) for c in chunks if c.num_tokens > 1]
+        prefills = [_flex_or_gathered_chunk(c, cache, q_per_kv) for c in multi]
         return AttentionBatch(rows, decode, prefills, None, flex_fn)
     decode = _decode_group(single, cache, whole_batch=whole) if single else None
-    prefills = [_prefill_chunk(c, cache, q_per_kv) for c in chunks if c.num_tokens > 1]
+    prefills = [_prefill_chunk(c, cache, q_per_kv) for c in multi]
     return AttentionBatch(rows, decode, prefills, None)
+
+
+def _is_tail(c: SeqChunk) -> bool:
+    """A short chunk after a cached prefix (a prompt whose start hit the prefix cache): attended as
+    one-token queries in the step's decode group rather than by a call of its own per layer. Its K/V
+    are written before attention runs, and each of its queries sees exactly the positions up to its
+    own, as a decode does. On an H200, 256 such chunks (a burst sharing a prompt) cost a second of
+    host time as 4,096 separate attention calls (16 layers), versus one call per layer this way."""
+    return c.start_pos > 0 and 1 < c.num_tokens <= MAX_TAIL_TOKENS
 
 
 def _flex_decode(single: Sequence[SeqChunk], cache: PagedKVCache, whole_batch: bool, q_per_kv: int) -> FlexDecode:

@@ -160,8 +160,8 @@ class TorchBackend(Backend):
         steps = [[(0, min(per_step, prefix - k))] for k in range(0, prefix, per_step)]  # sequence 0's prefix
         steps += [  # (sequence, tokens this step) per step; positions follow each sequence's KV
             [(1, 40)],  # a fresh prefill (SDPA's causal kernel, nothing compiled)
-            [(0, 20)],  # a chunk after a (long) cached prefix
-            [(0, 17), (1, 33)],  # two chunks after cached prefixes
+            [(0, 40)],  # a chunk after a (long) cached prefix: FlexAttention's chunk kernel
+            [(0, 17), (1, 33)],  # a short tail (decode group) and a chunk after a short prefix (SDPA)
             [(0, 1), (1, 5)],  # a decode beside a chunk
             [(0, 1), (1, 1), (2, 30)],  # two decodes beside a fresh prefill
             [(0, 1), (1, 1), (2, 1)],  # a pure decode, run without the graphs below
