@@ -132,13 +132,8 @@ class MessagesFormatter:
             return
         o = out.outputs[0]
         reason = o.finish_reason if o.finish_reason in NORMAL_FINISH else None
-        delta = self._reply.feed(o.text_delta)
-        calls: list[ToolCall] = []
-        if reason:
-            rest = self._reply.finish()
-            delta.reasoning += rest.reasoning
-            delta.content += rest.content
-            calls = rest.tool_calls
+        delta = self._reply.step(o.text_delta, reason)
+        calls: list[ToolCall] = delta.tool_calls or []
         if delta.reasoning and self._ctx.show_thinking:
             yield from self._text("thinking", delta.reasoning)
         if delta.content:

@@ -225,13 +225,8 @@ class ChatFormatter:
 
     def _choice_chunks(self, index: int, reply: ReplyStream, text_delta: str, logprobs_delta: list | None,
                        reason: str | None) -> Iterable[bytes]:
-        delta = reply.feed(text_delta)
-        calls: list[ToolCall] = []
-        if reason:
-            rest = reply.finish()
-            delta.reasoning += rest.reasoning
-            delta.content += rest.content
-            calls = rest.tool_calls
+        delta = reply.step(text_delta, reason)
+        calls: list[ToolCall] = delta.tool_calls or []
         # Held-back text (part of a UTF-8 character, a possible stop string or marker) still sends its
         # tokens' logprobs now, so streamed logprobs equal non-streamed ones token for token.
         logprobs = chat_logprobs(logprobs_delta) if self._logprobs and logprobs_delta else None

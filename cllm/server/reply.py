@@ -81,6 +81,17 @@ class ReplyStream:
             out.tool_calls = calls
         return out
 
+    def step(self, text: str, finish_reason: str | None) -> ReplyDelta:
+        """``feed`` a delta and, when the choice ended normally (``finish_reason`` set), ``finish`` too:
+        the delta's reasoning and content, and the calls (``tool_calls``) once it ended."""
+        delta = self.feed(text)
+        if finish_reason:
+            rest = self.finish()
+            delta.reasoning += rest.reasoning
+            delta.content += rest.content
+            delta.tool_calls = rest.tool_calls
+        return delta
+
     def _content(self, text: str) -> str:
         if self._tools is None or not text:
             return text

@@ -176,13 +176,8 @@ class ResponsesFormatter:
             return
         o = out.outputs[0]
         reason = o.finish_reason if o.finish_reason in NORMAL_FINISH else None
-        delta = self._reply.feed(o.text_delta)
-        calls: list[ToolCall] = []
-        if reason:
-            rest = self._reply.finish()
-            delta.reasoning += rest.reasoning
-            delta.content += rest.content
-            calls = self._ctx.calls(rest.tool_calls)
+        delta = self._reply.step(o.text_delta, reason)
+        calls: list[ToolCall] = self._ctx.calls(delta.tool_calls) if reason else []
         if delta.reasoning:
             self._reasoning += delta.reasoning
             yield from self._stream_text("reasoning", delta.reasoning)

@@ -100,6 +100,13 @@ def start_server(*args: str, api_key: str | None = None, wait: bool = True, thre
     cmd += ["--set", f"prompt_cache_mib={STRESS_PROMPT_CACHE_MIB}", *args]
     if api_key:
         cmd += ["--api-key", api_key]
+    return launch(cmd, port, log_name, log_file, api_key=api_key, wait=wait)
+
+
+def launch(cmd: list[str], port: int, log_name: str, log_file: Any, *, api_key: str | None = None,
+           wait: bool = True) -> ServerProcess:
+    """Start ``cmd`` (a server on ``port``, output to ``log_file``) without the caller's CLLM_* settings;
+    with ``wait``, until its /health says ready (killed if it never does)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("CLLM_")}
     proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env)
     server = ServerProcess(proc=proc, port=port, log_path=Path(log_name), api_key=api_key, _log_file=log_file)

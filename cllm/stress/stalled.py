@@ -15,18 +15,15 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import signal
 import socket
-import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 from cllm.bench.server_process import free_port
 from cllm.stress.engine_state import engine_state, wait_idle
-from cllm.stress.server_process import ServerProcess
+from cllm.stress.server_process import ServerProcess, launch
 
 
 RCVBUF_BYTES = 4096
@@ -42,15 +39,7 @@ def start_null_server(*settings: str, slots: int = 32, word_bytes: int = 0, sndb
            "--word-bytes", str(word_bytes), "--sndbuf", str(sndbuf)]
     for item in settings:
         cmd += ["--set", item]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CLLM_")}
-    proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env)
-    server = ServerProcess(proc=proc, port=port, log_path=Path(log_name), _log_file=log_file)
-    try:
-        server.wait_ready()
-    except Exception:
-        server.stop(signal.SIGKILL)
-        raise
-    return server
+    return launch(cmd, port, log_name, log_file)
 
 
 @dataclass(slots=True)

@@ -133,9 +133,7 @@ class TorchBackend(Backend):
         except Exception as err:  # a capture or compile failure costs speed, never a request
             log.warning("CUDA graph capture failed (%s: %s): decode steps run without graphs",
                         type(err).__name__, str(err).splitlines()[0] if str(err) else "")
-            del graphs
-            torch.cuda.empty_cache()
-            return None
+            return None  # the graphs and their pool are freed with this frame
         return graphs
 
     def _warm_up(self) -> None:
