@@ -301,8 +301,8 @@ def main() -> None:
             server = serve(model_dir, args)
         finally:
             log = args.workdir / "server.log"
-            if log.exists():
-                shutil.copy(log, Path(os.environ.get("OUT", ".")) / "gpu_serve_server.log")
+            if log.exists() and os.environ.get("OUT"):  # the device machine's result folder
+                shutil.copy(log, Path(os.environ["OUT"]) / "gpu_serve_server.log")
         print(f"server done ({time.perf_counter() - started:.0f} s)", flush=True)
         print(report(raw, engine, server))
         if args.json:

@@ -8,12 +8,8 @@ import json
 from typing import Any
 
 from cllm.server.anthropic_protocol import AnthropicMessage, CountTokensRequest
-from cllm.server.errors import APIError, bad_request
+from cllm.server.errors import bad_request, unsupported
 from cllm.server.protocol import ChatMessage
-
-
-def _unsupported(message: str, param: str) -> APIError:
-    return bad_request(message, param=param, code="unsupported_parameter")
 
 
 def _text_blocks(blocks: Any, where: str) -> str:
@@ -27,7 +23,7 @@ def _text_blocks(blocks: Any, where: str) -> str:
         at = f"{where}.{j}"
         if not isinstance(block, dict) or block.get("type") != "text":
             kind = block.get("type") if isinstance(block, dict) else None
-            raise _unsupported(f"{at}.type: block type {kind!r} is not supported here (text only)", f"{at}.type")
+            raise unsupported(f"{at}.type: block type {kind!r} is not supported here (text only)", f"{at}.type")
         if not isinstance(block.get("text"), str):
             raise bad_request(f"{at}.text: must be a string", param=f"{at}.text")
         texts.append(block["text"])
@@ -83,7 +79,7 @@ def _turn(i: int, message: AnthropicMessage) -> list[dict[str, Any]]:
         elif kind in ("thinking", "redacted_thinking") and message.role == "assistant":
             continue  # earlier thinking is not shown to the model again (chat templates drop it too)
         else:
-            raise _unsupported(f"{at}.type: content block type {kind!r} is not supported in a {message.role} turn "
+            raise unsupported(f"{at}.type: content block type {kind!r} is not supported in a {message.role} turn "
                                "(text, tool_use in assistant turns, tool_result in user turns, thinking)", f"{at}.type")
     out = list(results)
     if message.role == "assistant":
@@ -115,7 +111,7 @@ def chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | Non
     for i, tool in enumerate(tools):
         kind = tool.get("type")
         if kind not in (None, "custom"):
-            raise _unsupported(f"tools.{i}.type: tool type {kind!r} is not supported: only client tools "
+            raise unsupported(f"tools.{i}.type: tool type {kind!r} is not supported: only client tools "
                                "(name, description, input_schema); server tools run on Anthropic's servers",
                                f"tools.{i}.type")
         schema = tool.get("input_schema")

@@ -75,11 +75,16 @@ def bad_request(message: str, *, param: str | None = None, code: str | None = No
     return APIError(400, message, param=param, code=code)
 
 
+def unsupported(message: str, param: str) -> APIError:
+    """A 400 unsupported_parameter naming the field."""
+    return bad_request(message, param=param, code="unsupported_parameter")
+
+
 def reject_unsupported(body: Any) -> None:
     """400 unsupported_parameter for the first field the request sets that this server cannot honour."""
-    unsupported = body.unsupported()
-    if unsupported:
-        raise bad_request(unsupported[1], param=unsupported[0], code="unsupported_parameter")
+    found = body.unsupported()
+    if found:
+        raise unsupported(found[1], found[0])
 
 
 def param_from_message(message: str) -> str | None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from cllm.server.errors import APIError, bad_request
+from cllm.server.errors import bad_request, unsupported
 from cllm.server.protocol import ChatMessage, ResponseFormat
 from cllm.server.responses_protocol import ResponsesRequest
 
@@ -16,10 +16,6 @@ _ROLES = ("user", "assistant", "system", "developer")
 _TEXT_PARTS = ("input_text", "output_text", "text")
 _BUILTIN_TOOLS = ("web_search", "web_search_preview", "file_search", "computer_use_preview", "code_interpreter",
                   "image_generation", "mcp", "local_shell", "custom", "shell", "apply_patch")
-
-
-def _unsupported(message: str, param: str) -> APIError:
-    return bad_request(message, param=param, code="unsupported_parameter")
 
 
 def _text_content(content: Any, param: str) -> str:
@@ -42,7 +38,7 @@ def _text_content(content: Any, param: str) -> str:
         elif kind == "refusal" and isinstance(part.get("refusal"), str):
             texts.append(part["refusal"])
         else:
-            raise _unsupported(f"content part type {kind!r} is not supported (input_text / output_text only)",
+            raise unsupported(f"content part type {kind!r} is not supported (input_text / output_text only)",
                                f"{where}.type")
     return "".join(texts)
 
@@ -102,10 +98,10 @@ def input_messages(raw: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
         elif kind == "reasoning":
             continue  # earlier reasoning is not shown to the model again (chat templates drop it too)
         elif kind == "item_reference":
-            raise _unsupported("item_reference inputs are not supported: send the items, or use previous_response_id",
+            raise unsupported("item_reference inputs are not supported: send the items, or use previous_response_id",
                                f"{where}.type")
         else:
-            raise _unsupported(f"input item type {kind!r} is not supported (message, function_call, "
+            raise unsupported(f"input item type {kind!r} is not supported (message, function_call, "
                                "function_call_output, reasoning)", f"{where}.type")
     return messages
 
@@ -128,7 +124,7 @@ def chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | Non
         kind = tool.get("type")
         if kind != "function":
             if kind in _BUILTIN_TOOLS or isinstance(kind, str):
-                raise _unsupported(f"tool type {kind!r} is not supported: only function tools (built-in tools such "
+                raise unsupported(f"tool type {kind!r} is not supported: only function tools (built-in tools such "
                                    "as web search run on OpenAI's servers)", f"tools[{i}].type")
             raise bad_request(f"invalid tools[{i}].type: must be 'function'", param=f"tools[{i}].type")
         function = {k: tool[k] for k in ("name", "description", "parameters") if tool.get(k) is not None}
@@ -146,8 +142,8 @@ def chat_tool_choice(choice: str | dict[str, Any] | None) -> Any:
             raise bad_request("invalid tool_choice.name: must name a function in tools", param="tool_choice.name")
         return {"type": "function", "function": {"name": name}}
     if choice.get("type") == "allowed_tools":
-        raise _unsupported("tool_choice allowed_tools is not supported: send only the tools allowed", "tool_choice.type")
-    raise _unsupported(f"tool_choice type {choice.get('type')!r} is not supported (none, auto, required, or "
+        raise unsupported("tool_choice allowed_tools is not supported: send only the tools allowed", "tool_choice.type")
+    raise unsupported(f"tool_choice type {choice.get('type')!r} is not supported (none, auto, required, or "
                        "{\"type\": \"function\", \"name\": ...})", "tool_choice.type")
 
 
@@ -163,5 +159,5 @@ def chat_response_format(body: ResponsesRequest) -> ResponseFormat | None:
             raise bad_request("text.format json_schema needs a 'schema'", param="text.format.schema")
         return ResponseFormat(type="json_schema", json_schema={"name": fmt.name or "response", "schema": fmt.schema_,
                                                                "strict": bool(fmt.strict)})
-    raise _unsupported(f"text.format type {fmt.type!r} is not supported (text, json_object, json_schema)",
+    raise unsupported(f"text.format type {fmt.type!r} is not supported (text, json_object, json_schema)",
                        "text.format.type")
