@@ -191,12 +191,23 @@ def pip_build_flags() -> dict[str, str]:
 # ---- servers ----------------------------------------------------------------------------------
 
 
+def _amx_build() -> bool:
+    from cllm.backends.llama_cpp.native import _amx_build as amx
+
+    return amx()
+
+
 def start_server(name: str, settings: Settings, slots: int, binary: Path) -> BenchServer:
     port = free_port()
     n_ctx = str(slots * settings.ctx_per_slot)
     if name == "llama-server":
         cmd = [str(binary), "-m", settings.llama_model, "--host", "127.0.0.1", "--port", str(port), "-t", str(settings.threads),
                "-np", str(slots), "-c", n_ctx, "--no-webui", "--log-disable"]
+        if _amx_build():
+            # As cllm does there (cllm/backends/llama_cpp/native.py): without the extra buffer types
+            # (weight repacking into AMX tiles) a multi-token decode crashes llama.cpp on an AMX CPU;
+            # both servers then run the same kernels.
+            cmd.append("--no-repack")
     else:
         cmd = [sys.executable, "-m", "cllm", "serve", "--model", settings.model, "--port", str(port),
                "--log-level", "warning"]
