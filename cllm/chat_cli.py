@@ -12,6 +12,7 @@ by closing the stream, which the server aborts) and returns to the prompt; Ctrl-
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import signal
 import sys
@@ -196,17 +197,21 @@ class RemoteModel:
             if res.status_code != 200:
                 text = (await res.aread()).decode(errors="replace")
                 raise RuntimeError(f"server answered {res.status_code}: {_error_message(text)}")
-            async for event in _sse_events(res.aiter_lines()):
-                if "error" in event:
-                    raise RuntimeError(f"server error: {event['error'].get('message')}")
-                usage = event.get("usage") or usage
-                for choice in event.get("choices") or []:
-                    delta = (choice.get("delta") or {}).get("content")
-                    if delta:
-                        first = first if first is not None else time.perf_counter()
-                        chunks += 1
-                        on_text(delta)
-                    finish = choice.get("finish_reason") or finish
+            # Both generators closed explicitly: [DONE] ends the loop before the lines run out, and an
+            # abandoned one is finalised at interpreter exit ("Task was destroyed but it is pending").
+            async with contextlib.aclosing(res.aiter_lines()) as lines, \
+                    contextlib.aclosing(_sse_events(lines)) as events:
+                async for event in events:
+                    if "error" in event:
+                        raise RuntimeError(f"server error: {event['error'].get('message')}")
+                    usage = event.get("usage") or usage
+                    for choice in event.get("choices") or []:
+                        delta = (choice.get("delta") or {}).get("content")
+                        if delta:
+                            first = first if first is not None else time.perf_counter()
+                            chunks += 1
+                            on_text(delta)
+                        finish = choice.get("finish_reason") or finish
         tokens = usage["completion_tokens"] if usage else chunks
         return ReplyStats(tokens, None if first is None else first - start, time.perf_counter() - start, finish or "stop")
 
@@ -363,4 +368,5 @@ def chat(*, url: str | None, api_key: str | None, config: Any, system: str | Non
         finally:
             loop.run_until_complete(model.close())
     finally:
+        loop.run_until_complete(loop.shutdown_asyncgens())  # as asyncio.run: no generator left to the GC
         loop.close()
