@@ -241,7 +241,9 @@ def test_page_asks_for_the_api_key_and_sends_it(browser: webdriver.Chrome) -> No
         key_box.clear()
         key_box.send_keys(API_KEY)
         browser.find_element(By.ID, "api-key-save").click()
-        assert _model_shown(browser).startswith("SmolLM2")
+        # the name replaces "API key needed" once /v1/models answers with the key (not at once)
+        _wait(browser, lambda d: d.find_element(By.ID, "model-name").text.startswith("SmolLM2"),
+              what="the model name never appeared with the right key")
         assert not browser.find_element(By.ID, "api-key-panel").is_displayed()
         _settings(browser, **{"max-tokens": "8", "extra": json.dumps({"ignore_eos": True})})
         _send(browser, "Hi")

@@ -13,6 +13,7 @@ from cllm.stress.server_process import finish_server, start_server
 
 
 def test_cllm_serve_on_its_defaults_answers_chat_and_embeddings() -> None:
+    available_before = available_memory()  # what the server reads at start-up, give or take its own load
     server = start_server(threads=None)
     try:
         with server.http(timeout=120) as client:
@@ -29,10 +30,14 @@ def test_cllm_serve_on_its_defaults_answers_chat_and_embeddings() -> None:
     model = LlamaModelHandle(path=resolve_model_path(None))
     per_token = model.kv_bytes_per_token("f16", "f16")
     model.close()
-    fits = kv_shape(None, None, n_ctx_train=8192, bytes_per_token=per_token, available_bytes=available_memory())[1]
+    fits = [kv_shape(None, None, n_ctx_train=8192, bytes_per_token=per_token, available_bytes=avail)[1]
+            for avail in (available_before, available_memory())]
     assert models["data"][0]["max_model_len"] == 2048
-    # the server read the memory before its own KV took any; +-2 allows for what else moved since
-    assert abs(slots - min(MAX_AUTO_SEQS, fits)) <= 2
+    # The server read the memory before its own KV took any, between these two readings: +-2 allows for
+    # what else moved meanwhile (the page cache, other processes; a one-sided reading after the run was
+    # 3 slots off once on a busy machine).
+    low, high = min(MAX_AUTO_SEQS, *fits), min(MAX_AUTO_SEQS, max(fits))
+    assert low - 2 <= slots <= high + 2, (slots, fits)
     assert chat.status_code == 200, chat.text
     assert chat.json()["usage"]["completion_tokens"] >= 1
     assert emb.status_code == 200, emb.text
