@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.cllm-installed
 ARGS   ?=
 
-.PHONY: setup serve test unit bench clean
+.PHONY: setup serve test unit bench clean browser
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -21,8 +21,18 @@ setup: $(STAMP)
 serve: setup        ## the main job: OpenAI-compatible server on the embedded model, 127.0.0.1:8000
 	$(VENV)/bin/cllm serve $(ARGS)
 
-test: setup         ## the whole suite: unit tests (fake backend) + integration tests (real model)
+test: setup browser ## the whole suite: unit tests (fake backend) + integration tests (real model, Chromium)
 	$(PY) -m pytest -q tests $(ARGS)
+
+# The chat page's test drives Debian's Chromium through its driver: installed once with apt-get (as
+# root, or through sudo); a machine that has both skips apt entirely.
+browser:
+	@if ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null; then \
+	    SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	    echo "installing Debian's chromium and chromium-driver (the chat page's browser test) ..."; \
+	    $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get update -qq && \
+	    $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium chromium-driver >/dev/null; \
+	fi
 
 unit: setup
 	$(PY) -m pytest -q tests/unit $(ARGS)
