@@ -62,10 +62,14 @@ def raw_forward(model_dir: Path, args: argparse.Namespace) -> dict[int, tuple[fl
         return {b: cllm_decode(backend, b, ns) for b in LEVELS}
     finally:
         backend.close()
-        del backend
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        _free_device_memory()
+
+
+def _free_device_memory() -> None:
+    """After a backend closed: what it held back to the device, before the next one sizes its KV pool."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 # ----------------------------------------------------------------------------------- engine
@@ -91,10 +95,7 @@ def engine_offline(model_dir: Path, args: argparse.Namespace) -> dict[int, float
             out[b] = sum(len(r.outputs[0].token_ids) for r in results) / wall
     finally:
         llm.close()
-        del llm
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        _free_device_memory()
     return out
 
 
