@@ -4,10 +4,8 @@ from __future__ import annotations
 from cllm.backends.base import Tokenizer
 from cllm.detokenizer import IncrementalDetokenizer
 from cllm.outputs import CompletionOutput, RequestOutput, TokenLogprob, TopLogprob, Usage
-from cllm.request import Request, RequestStatus
+from cllm.request import Request
 from cllm.sampling.sampler import SampledToken
-
-_LAST_LIVE = int(RequestStatus.PREEMPTED)  # statuses above it are final (RequestStatus.is_finished), as a plain int
 
 
 class RequestGroup:
@@ -31,9 +29,8 @@ class RequestGroup:
 
     @property
     def finished(self) -> bool:
-        if len(self.children) == 1:
-            return self.children[0].status > _LAST_LIVE
-        return all(c.status > _LAST_LIVE for c in self.children)
+        children = self.children
+        return children[0].status.is_finished if len(children) == 1 else all(c.status.is_finished for c in children)
 
     def on_token(self, index: int, sampled: SampledToken) -> str | None:
         """Record a child's new token; returns a stop string it completed, if any."""
@@ -70,14 +67,14 @@ class RequestGroup:
         ``prompt_logprobs`` are the request's own lists, shared: read-only for callers."""
         first = self.children[0]
         finished = self.finished
-        if len(self.children) == 1:
+        if len(self.children) == 1:  # n = 1, nearly every request: no generators (15 % of a 256-row step)
             choices = [self._choice(0, finished)]
             completion, error = len(first.output_token_ids), first.error
         else:
             choices = [self._choice(i, finished) for i in range(len(self.children))]
             completion = sum(c.num_output_tokens for c in self.children)
             error = next((c.error for c in self.children if c.error), None)
-        usage = Usage(len(first.prompt_token_ids), completion, first.num_cached_tokens or 0)
+        usage = Usage(first.num_prompt_tokens, completion, first.num_cached_tokens or 0)
         prompt_logprobs = None
         if first.scores_prompt and not first.needs_prompt_logits:
             prompt_logprobs = first.prompt_logprobs  # complete: never appended to again
@@ -86,11 +83,10 @@ class RequestGroup:
 
     def _choice(self, i: int, group_finished: bool) -> CompletionOutput:
         child, detok = self.children[i], self._detoks[i]
-        if child.status > _LAST_LIVE:
+        if child.status.is_finished:
             detok.finish()
         tokens = child.output_token_ids
-        sent = self._sent_tokens[i]
-        new_tokens = tokens[sent:] if sent < len(tokens) else []
+        new_tokens = tokens[self._sent_tokens[i]:]
         self._sent_tokens[i] = len(tokens)
         logprobs = child.output_logprobs if child.params.logprobs is not None else None
         new_logprobs = None
