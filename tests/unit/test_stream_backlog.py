@@ -79,3 +79,30 @@ def test_a_stalled_reader_is_aborted_after_the_timeout() -> None:
     held, error = asyncio.run(main())
     assert held == 0  # the request was aborted: slot and KV back
     assert isinstance(error, APIError) and error.status == 408 and "stream_stall_timeout_s" in str(error)
+
+
+def test_a_blocked_event_loop_gets_merged_outputs_and_never_stops_the_engine() -> None:
+    """The loop that reads a stream is blocked for a second (a hand-over stays outstanding): the engine
+    keeps stepping (after 200 ms behind it waits at most 50 ms a step), merges what the loop has not
+    taken, and the reader then gets every token in a few outputs, in order."""
+    import time
+
+    async def main() -> tuple[list[int], int, int]:
+        backend = FakeBackend(slots=2, forward_sleep_s=0.001)
+        engine = cllm.AsyncLLM(backend=backend, config=fake_config())
+        tokens: list[int] = []
+        outputs = 0
+        try:
+            stream = engine.generate([1], cllm.SamplingParams(max_tokens=60, temperature=0, ignore_eos=True))
+            async for out in stream:
+                if outputs == 0:
+                    time.sleep(1.0)  # blocks this event loop: nothing handed over is taken meanwhile
+                outputs += 1
+                tokens += out.outputs[0].token_ids_delta
+            return tokens, outputs, len(backend.batches)
+        finally:
+            await engine.shutdown()
+
+    tokens, outputs, steps = asyncio.run(main())
+    assert tokens == [(2 + k) % 64 for k in range(60)]  # every token, in order
+    assert steps >= 60 and outputs < 10  # the engine ran on; the backlog came merged
