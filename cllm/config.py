@@ -165,6 +165,24 @@ class StructuredConfig(_Section):
     grammar_cache_mib: int = Field(128, ge=1, le=1 << 20, description="compiled grammars kept together (their token masks), MiB; the least recently used go first")
 
 
+class SpeculativeConfig(_Section):
+    """Speculative decoding: several tokens verified per forward pass (cllm.speculative)."""
+
+    speculative: Literal["off", "ngram", "draft"] = Field("ngram", description="how draft tokens are proposed: ngram = from the sequence's own prompt and output (prompt lookup, no second model); draft = a smaller model (speculative_model); off. Drafts are verified in the batch's forward pass and accepted so that the output is the target's own (greedy: identical; sampled: the same distribution, the same seeded draws); how many each sequence gets is decided per step from the measured step cost and its acceptance rate, down to none on a busy server. A request may send `speculative: false`")
+    speculative_model: str | None = Field(None, description="the draft model of speculative: draft (GGUF file or HF directory for the same backend, with the target's vocabulary)")
+    num_speculative_tokens: int = Field(24, ge=1, le=256, description="most draft tokens one sequence verifies in a step")
+    speculative_ngram_max: int = Field(4, ge=1, le=16, description="longest n-gram matched (the sequence's last n tokens, found earlier in its prompt or output)")
+    speculative_ngram_min: int = Field(2, ge=1, le=16, description="shortest n-gram matched")
+
+    @model_validator(mode="after")
+    def _check(self) -> SpeculativeConfig:
+        if self.speculative_ngram_min > self.speculative_ngram_max:
+            raise ValueError(f"speculative_ngram_min={self.speculative_ngram_min} exceeds speculative_ngram_max={self.speculative_ngram_max}")
+        if self.speculative == "draft" and not self.speculative_model:
+            raise ValueError("speculative=draft needs speculative_model (a smaller model with the same vocabulary)")
+        return self
+
+
 class ClusterConfig(_Section):
     """Scale-out on Ray Serve (`cllm serve --replicas N`, `cllm.serve_ray`) and KV hand-off."""
 
@@ -211,6 +229,7 @@ class CllmConfig(_Section):
     server: ServerConfig = Field(default_factory=ServerConfig)
     structured: StructuredConfig = Field(default_factory=StructuredConfig)
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
+    speculative: SpeculativeConfig = Field(default_factory=SpeculativeConfig)
 
     @model_validator(mode="after")
     def _check_cross_section(self) -> CllmConfig:

@@ -182,6 +182,14 @@ class Backend(ABC):
         (failed sequences, whose KV may be garbage).
         """
 
+    def truncate(self, sequence_id: str, num_tokens: int) -> int:
+        """Forget the sequence's KV past its first ``num_tokens`` tokens (draft tokens a speculative step
+        evaluated and the target rejected); the sequence keeps its place and its reserved room. What is
+        forgotten never serves a prefix-cache hit. Returns the tokens it still holds: fewer than
+        ``num_tokens`` where the memory cannot drop a tail (they are evaluated again). Only called where
+        ``supports_speculation``."""
+        raise RuntimeError(f"backend {self.name!r} cannot truncate a sequence's KV")
+
     def kv_usage(self) -> float:
         """Fraction of KV room in use by live sequences (0..1)."""
         return 0.0
@@ -200,6 +208,7 @@ class Backend(ABC):
     supports_prefix_cache: bool = False
     supports_state_swap: bool = False
     supports_embeddings: bool = False
+    supports_speculation: bool = False  # truncate() works: draft tokens can be verified and rolled back
 
     @property
     def embedding_max_tokens(self) -> int:

@@ -30,6 +30,7 @@ from cllm.sampling.dispatch import sample_logits, stack_rows
 from cllm.sampling.sampler import SampledToken, SamplingRow
 from cllm.scheduler.output import ScheduledChunk, SchedulerOutput
 from cllm.scheduler.scheduler import Scheduler
+from cllm.speculative.speculator import create_speculator
 from cllm.structured import StructuredOutputs
 from cllm.structured.limits import ConstraintLimits
 from cllm.structured.manager import PendingMask
@@ -45,6 +46,8 @@ class LLMEngine:
         self.backend = backend if backend is not None else create_backend(config)
         self.tokenizer = self.backend.tokenizer
         self.scheduler = Scheduler(self.backend, config.scheduler)
+        self.speculator = create_speculator(config, self.backend)  # None: speculative decoding off
+        self.scheduler.speculator = self.speculator
         sc = config.structured
         limits = ConstraintLimits(max_text_bytes=sc.max_constraint_bytes, max_depth=sc.max_constraint_depth,
                                   compile_timeout_s=sc.grammar_compile_timeout_s, cache_bytes=sc.grammar_cache_mib << 20)
@@ -279,12 +282,12 @@ class LLMEngine:
         self._ready += self._collect(list(groups.values()))
 
     def _run(self, out: SchedulerOutput, touched: dict[str, RequestGroup]) -> None:
-        sampled_reqs = [c.request for c in out.chunks if c.sample]
+        sampled_reqs = [c.request for c in out.chunks if c.sample and not c.draft]
         # The grammar masks of this step's constrained rows are filled while the forward pass runs.
         mask = self.structured.start_fill(sampled_reqs)
         started = time.perf_counter()
         try:
-            logits = self._forward(out.chunks)
+            logits, verify = self._forward(out.chunks)
             self.scheduler.observe_step(out.num_tokens, time.perf_counter() - started)
         except KVCacheFullError as err:
             if self.scheduler.preempt_for_kv(err.sequence_ids) is None:
@@ -295,7 +298,7 @@ class LLMEngine:
                 self._fail(err.sequence_ids, str(err), touched)
                 return
             # Which sequence broke the batch is unknown: rerun each alone so only the culprit fails.
-            logits, sampled_reqs = self._forward_one_by_one(out.chunks, touched)
+            logits, sampled_reqs, verify = self._forward_one_by_one(out.chunks, touched)
         finally:
             if self._defer_text:
                 self._flush_text()  # the previous step's text work, while this forward runs on the device
@@ -303,45 +306,60 @@ class LLMEngine:
             n_prompt = len(c.request.prompt_token_ids)
             if c.start < n_prompt and not c.request.status.is_finished:
                 self._prompt_tokens += min(c.start + c.num_tokens, n_prompt) - c.start
-        self._sample_and_update(out, sampled_reqs, logits, touched, mask)
+        self._sample_and_update(out, sampled_reqs, logits, touched, mask, verify)
+        if self.speculator is not None:  # the step's cost by its size, sampling included (on CUDA it waits there)
+            self.speculator.observe_step(out.num_tokens, time.perf_counter() - started)
 
-    def _forward(self, chunks: list[ScheduledChunk]) -> np.ndarray:
+    def _forward(self, chunks: list[ScheduledChunk]) -> tuple[np.ndarray, list[tuple[ScheduledChunk, np.ndarray]]]:
+        """The step's forward pass: the logits rows of the chunks that sample (no draft), and for each
+        chunk with draft tokens its rows at every token, to verify them."""
         flat: list[int] = []
         pos: list[int] = []
         seqs: list[str] = []
         for c in chunks:
-            flat += c.request.tokens_between(c.start, c.start + c.num_tokens)
+            if c.draft:
+                flat += c.request.tokens_between(c.start, c.start + c.num_tokens - len(c.draft)) + c.draft
+            else:
+                flat += c.request.tokens_between(c.start, c.start + c.num_tokens)
             pos += range(c.start, c.start + c.num_tokens)
             seqs += [c.request.request_id] * c.num_tokens
-        wanted = [c.request.request_id for c in chunks if c.sample]
+        wanted = [c.request.request_id for c in chunks if c.sample and not c.draft]
         scored = [c for c in chunks if c.request.needs_prompt_logits]
-        if not scored:
-            return self.backend.forward_batch(flat, pos, seqs, logits_for=wanted)
+        drafted = [c for c in chunks if c.draft]
+        if not scored and not drafted:
+            return self.backend.forward_batch(flat, pos, seqs, logits_for=wanted), []
         logits = self.backend.forward_batch(flat, pos, seqs, logits_for=wanted,
-                                            all_logits_for=[c.request.request_id for c in scored])
+                                            all_logits_for=[c.request.request_id for c in scored + drafted])
         row = len(wanted)
         for c in scored:
             score_prompt_chunk(c.request, c.start, logits[row:row + c.num_tokens], self.tokenizer)
             row += c.num_tokens
-        return logits[:len(wanted)]
+        verify = []
+        for c in drafted:
+            verify.append((c, logits[row:row + c.num_tokens]))
+            row += c.num_tokens
+        return logits[:len(wanted)], verify
 
-    def _forward_one_by_one(self, chunks: list[ScheduledChunk],
-                            touched: dict[str, RequestGroup]) -> tuple[np.ndarray, list[Request]]:
+    def _forward_one_by_one(self, chunks: list[ScheduledChunk], touched: dict[str, RequestGroup]
+                            ) -> tuple[np.ndarray, list[Request], list[tuple[ScheduledChunk, np.ndarray]]]:
         rows: list[np.ndarray] = []
         reqs: list[Request] = []
+        verify: list[tuple[ScheduledChunk, np.ndarray]] = []
         for c in chunks:
             try:
-                logits = self._forward([c])
+                logits, drafted = self._forward([c])
             except BackendError as err:
                 self._fail([c.request.request_id], str(err), touched)
                 continue
-            if c.sample:
+            verify += drafted
+            if c.sample and not c.draft:
                 rows.append(logits[0])
                 reqs.append(c.request)
-        return stack_rows(rows, self.tokenizer.vocab_size), reqs
+        return stack_rows(rows, self.tokenizer.vocab_size), reqs, verify
 
     def _sample_and_update(self, out: SchedulerOutput, reqs: list[Request], logits: np.ndarray,
-                           touched: dict[str, RequestGroup], mask: PendingMask | None = None) -> None:
+                           touched: dict[str, RequestGroup], mask: PendingMask | None = None,
+                           verify: Sequence[tuple[ScheduledChunk, np.ndarray]] = ()) -> None:
         self.structured.apply(logits, [r.request_id for r in reqs], mask)
         rngs = self._rngs
         rows = [SamplingRow(r.params, rngs[r.request_id], r.prompt_token_ids, r.output_token_ids, r.stop_ids)
@@ -368,6 +386,8 @@ class LLMEngine:
             if self.structured.accept(req) and req.status is RequestStatus.RUNNING:
                 self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)  # the grammar is complete
             touched[group.group_id] = group
+        for chunk, rows in verify:
+            self._verify(chunk, rows, touched, now)
         for request_id, error in self.structured.take_broken().items():
             self._fail([request_id], error, touched)
         for chunk in out.chunks:  # requests that ended without a token (max_tokens=0 scores the prompt only)
@@ -375,6 +395,59 @@ class LLMEngine:
                 self._touch(touched, chunk.request)
         self._generated_tokens += len(by_id)
         self._rate.add(len(by_id), now)
+
+    def _verify(self, chunk: ScheduledChunk, logits: np.ndarray, touched: dict[str, RequestGroup], now: float) -> None:
+        """Keep the draft tokens the target itself would have produced, and the target's next token.
+
+        Position by position, exactly as one step at a time would (penalties over the output so far, the
+        grammar's mask in its current state, one draw from the request's generator per token): sample
+        the target's token, emit it, and go on only while it equals the draft token evaluated there. So
+        greedy output is the target's argmax path, and a sampled request's tokens follow the target's
+        distribution with the same seeded draws as without speculation (a draft is a single proposed
+        token, for which accepting when the draw equals it is the exact rejection-sampling rule). The
+        KV of rejected draft tokens is then dropped; what ends the request (a stop token or string,
+        max_tokens, a complete grammar) ends it at that token, as it would have."""
+        req, draft = chunk.request, chunk.draft
+        if req.status is not RequestStatus.RUNNING:
+            return  # aborted during the step: its KV is released already
+        group, index = self._group_of[req.request_id]
+        rid, rng = req.request_id, self._rngs[req.request_id]
+        req.num_computed_tokens = chunk.start + 1
+        status, reason, accepted = None, None, 0
+        for i in range(len(draft) + 1):
+            row = logits[i:i + 1]
+            if self.structured.is_constrained(rid):
+                self.structured.apply(row, [rid], self.structured.start_fill([req]))
+            sampled = sample_logits(row, [SamplingRow(req.params, rng, req.prompt_token_ids, req.output_token_ids,
+                                                      req.stop_ids)])[0]
+            token = sampled.token_id
+            req.output_token_ids.append(token)
+            status = self.scheduler.stop_status(req, token)
+            reason = token if status is RequestStatus.FINISHED_STOPPED and token in req.params.stop_token_ids else None
+            if self._defer_text and not req.params.stop:
+                self._deferred.append((group, index, sampled))
+            else:
+                stop = group.on_token(index, sampled)
+                if stop is not None:
+                    status, reason = RequestStatus.FINISHED_STOPPED, stop
+            if self.structured.accept(req) and status is None:
+                status = RequestStatus.FINISHED_STOPPED  # the grammar is complete
+            hit = i < len(draft) and token == draft[i]
+            accepted += hit
+            if status is not None or not hit:
+                break
+            req.num_computed_tokens += 1  # the draft token's KV was computed and it is kept
+        emitted = i + 1
+        if req.num_computed_tokens < chunk.start + chunk.num_tokens:
+            req.num_computed_tokens = min(req.num_computed_tokens, self.backend.truncate(rid, req.num_computed_tokens))
+        self.speculator.verified(req, len(draft), accepted, emitted)
+        if status is not None:
+            req.stop_reason = reason
+            self.scheduler.finish(req, status)
+        req.metrics.last_token_time = now
+        touched[group.group_id] = group
+        self._generated_tokens += emitted
+        self._rate.add(emitted, now)
 
     def _fail(self, sequence_ids: list[str], error: str, touched: dict[str, RequestGroup]) -> None:
         for req in self.scheduler.fail(sequence_ids, error):
@@ -404,6 +477,8 @@ class LLMEngine:
             self._group_of.pop(child.request_id, None)
             self._rngs.pop(child.request_id, None)
             self.structured.remove(child.request_id)
+            if self.speculator is not None:
+                self.speculator.remove(child.request_id)
             self._finished_counts[child.status.finish_reason or "unknown"] += 1
 
     # ---------------------------------------------------------------- stats
@@ -431,6 +506,8 @@ class LLMEngine:
 
     def close(self) -> None:
         self.structured.close()
+        if self.speculator is not None:
+            self.speculator.close()
         self.backend.close()
 
 

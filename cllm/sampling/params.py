@@ -38,6 +38,7 @@ class SamplingParams:
     regex: str | None = None  # a regular expression the whole output matches
     choice: list[str] | None = None  # the output is exactly one of these strings
     prompt_logprobs: int | None = None  # None = off; k >= 0 returns each prompt token's logprob (first: None) and k top alternatives
+    speculative: bool = True  # False: never given draft tokens (speculative decoding off for this request)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -72,6 +73,7 @@ class SamplingParams:
         _check(_is_int(self.n) and 1 <= self.n <= 128, "n", self.n, "an integer in [1, 128]")
         _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= 20), "logprobs", self.logprobs, "an integer in [0, 20] or None")
         _check(self.prompt_logprobs is None or (_is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= 20), "prompt_logprobs", self.prompt_logprobs, "an integer in [0, 20] or None")
+        _check(isinstance(self.speculative, bool), "speculative", self.speculative, "true or false")
         _check(all(k >= 0 and _finite(v) and -100 <= v <= 100 for k, v in self.logit_bias.items()), "logit_bias", self.logit_bias, "token ids >= 0 mapped to numbers in [-100, 100]")
         self._validate_constraint()
 

@@ -14,6 +14,7 @@ class ScheduledChunk:
     start: int  # position of the first token (== its num_computed_tokens)
     num_tokens: int  # how many tokens
     sample: bool  # the chunk reaches the sequence's last token, so a new token is sampled
+    draft: list[int] | tuple = ()  # draft tokens evaluated after the sequence's last one (counted in num_tokens)
 
 
 @dataclass(slots=True)

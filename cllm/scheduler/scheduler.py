@@ -11,12 +11,16 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from cllm.backends.base import Backend
 from cllm.config import SchedulerConfig
 from cllm.request import Request, RequestStatus
 from cllm.scheduler.output import ScheduledChunk, SchedulerOutput
 from cllm.scheduler.queue import WaitingQueue
+
+if TYPE_CHECKING:
+    from cllm.speculative import Speculator
 
 
 # A prompt whose logprobs are asked for is evaluated at most this many tokens a step: every one of its
@@ -61,6 +65,7 @@ class Scheduler:
         # admission the backend refused succeed, so a refused head is not retried before that.
         self._release_epoch = 0
         self._refused: _RefusedAdmission | None = None
+        self.speculator: Speculator | None = None  # set by the engine when speculative decoding is on
 
     # ------------------------------------------------------------ lifecycle
     def add(self, req: Request) -> None:
@@ -112,7 +117,20 @@ class Scheduler:
         budget = self._schedule_running(out, self.token_budget)
         if not out.preempted:
             self._admit_waiting(out, budget)
+        if self.speculator is not None and not out.preempted:
+            self._add_drafts(out)
         return out
+
+    def _add_drafts(self, out: SchedulerOutput) -> None:
+        """Append the speculator's draft tokens to decode chunks, within the token budget and the KV
+        room the backend has now (a draft never preempts anyone)."""
+        proposals = self.speculator.propose(out, self.token_budget - out.num_tokens, self.backend.capacity.max_model_len)
+        for chunk, draft in proposals:
+            req = chunk.request
+            if draft and self.backend.reserve(req.request_id, req.num_tokens + len(draft)):
+                chunk.draft = draft
+                chunk.num_tokens += len(draft)
+                out.num_tokens += len(draft)
 
     def _expire(self, out: SchedulerOutput, now: float) -> None:
         for req in [r for r in self.requests.values() if r.deadline is not None and now >= r.deadline]:
@@ -299,8 +317,8 @@ class Scheduler:
         got_token = []
         for chunk in out.chunks:
             req = chunk.request
-            if req.status != RequestStatus.RUNNING:
-                continue  # finished during the step (abort)
+            if req.status != RequestStatus.RUNNING or chunk.draft:
+                continue  # finished during the step (abort); a draft chunk is verified by the engine
             req.num_computed_tokens += chunk.num_tokens
             if req.max_tokens == 0 and req.num_computed_tokens >= req.num_tokens:
                 self.finish(req, RequestStatus.FINISHED_LENGTH)
@@ -309,7 +327,7 @@ class Scheduler:
             if chunk.sample and token is not None:
                 req.output_token_ids.append(token)
                 got_token.append(req)
-                status = self._stop_status(req, token)
+                status = self.stop_status(req, token)
                 if status is not None:
                     # As vLLM: a stop token id is the stop_reason; EOS (and length) leave it null.
                     req.stop_reason = token if token in req.params.stop_token_ids else None
@@ -317,7 +335,9 @@ class Scheduler:
         return got_token
 
     @staticmethod
-    def _stop_status(req: Request, token: int) -> RequestStatus | None:
+    def stop_status(req: Request, token: int) -> RequestStatus | None:
+        """The status ``token`` (just appended) ends the request with: a stop token (after min_tokens), or
+        max_tokens reached; None while it runs on."""
         p = req.params
         if req.num_output_tokens >= p.min_tokens:
             if token in p.stop_token_ids or (not p.ignore_eos and token in req.eos_token_ids):

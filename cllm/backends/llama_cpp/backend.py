@@ -59,6 +59,7 @@ class LlamaCppBackend(Backend):
     supports_prefix_cache = True
     supports_state_swap = True
     supports_embeddings = True
+    supports_speculation = True
 
     def __init__(self, config: CllmConfig) -> None:
         m, lc = config.model, config.llama_cpp
@@ -259,6 +260,13 @@ class LlamaCppBackend(Backend):
                     return False
             slot.reserved = num_tokens
             return True
+
+    def truncate(self, sequence_id: str, num_tokens: int) -> int:
+        with self._pool.lock:
+            slot = self._owned(sequence_id)
+            if len(slot.tokens) > num_tokens:
+                self._truncate(slot, num_tokens)  # (recurrent memory cannot drop a tail: then all of it)
+            return len(slot.tokens)
 
     def _evict_one_idle_cache(self) -> bool:
         for slot in self._pool.idle():

@@ -58,6 +58,7 @@ class TorchBackend(Backend):
     supports_prefix_cache = True
     supports_state_swap = True
     supports_embeddings = True
+    supports_speculation = True
 
     def __init__(self, config: CllmConfig) -> None:
         self.device = resolve_device(config.torch.device)
@@ -232,6 +233,10 @@ class TorchBackend(Backend):
 
     def release(self, sequence_id: str, *, keep_cache: bool = True) -> None:
         self.blocks.release(sequence_id, keep_cache=keep_cache)
+
+    def truncate(self, sequence_id: str, num_tokens: int) -> int:
+        self.blocks.roll_back(sequence_id, num_tokens)
+        return min(num_tokens, self.blocks.sequence(sequence_id).num_computed)
 
     def kv_usage(self) -> float:
         return self.blocks.num_used_blocks / self.blocks.num_blocks

@@ -227,6 +227,24 @@ class BlockManager:
         self._drop_refs(dropped, keep_cache=True)
         self.reserve(seq_id, (keep + len(dropped)) * self.block_size)
 
+    def roll_back(self, seq_id: str, num_tokens: int) -> None:
+        """Forget the tokens past the first ``num_tokens`` (rejected draft tokens), keeping every block:
+        their slots are written again by the next tokens. A block that a forgotten token completed was
+        hashed when it filled: it is withdrawn from the prefix cache, so rejected tokens never serve a
+        hit (the sequence owns it alone: it was allocated for this sequence's newest tokens)."""
+        seq = self.sequence(seq_id)
+        if num_tokens >= seq.num_computed:
+            return
+        keep = num_tokens // self.block_size
+        for index in range(keep, len(seq.chain)):
+            block = self._blocks[seq.block_ids[index]]
+            if block.block_hash == seq.chain[index]:
+                self._cached.pop(block.block_hash, None)
+                block.block_hash, block.parent_hash, block.tokens = None, None, ()
+        del seq.chain[keep:]
+        del seq.token_ids[num_tokens:]
+        seq.num_computed = num_tokens
+
     # ----- release -------------------------------------------------------------------------
 
     def release(self, seq_id: str, *, keep_cache: bool = True) -> None:

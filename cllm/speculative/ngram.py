@@ -1,0 +1,32 @@
+"""Prompt-lookup proposals: the tokens that followed the sequence's last n-gram where it occurred before."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+class NgramIndex:
+    """Where each n-gram of one sequence last ended, for n in [n_min, n_max]; extended incrementally.
+
+    Each lookup first indexes the n-grams ending at positions it has not seen (all but the current
+    tail, which is the query), so the work per step is O(new tokens), not O(sequence length).
+    """
+
+    def __init__(self, n_min: int, n_max: int) -> None:
+        self._tables: list[tuple[int, dict[tuple[int, ...], int]]] = [(n, {}) for n in range(n_max, n_min - 1, -1)]
+        self._next_end = 1  # n-grams ending before this position are indexed
+
+    def propose(self, tokens: Sequence[int], k: int) -> list[int]:
+        """Up to ``k`` tokens that followed the longest n-gram equal to the sequence's last n tokens, at
+        its most recent earlier occurrence; [] when none matches."""
+        length = len(tokens)
+        for end in range(self._next_end, length):
+            for n, table in self._tables:
+                if end >= n:
+                    table[tuple(tokens[end - n:end])] = end
+        self._next_end = max(self._next_end, length)
+        for n, table in self._tables:
+            if length >= n:
+                end = table.get(tuple(tokens[length - n:]))
+                if end is not None:
+                    return list(tokens[end:end + k])
+        return []

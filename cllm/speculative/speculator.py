@@ -1,0 +1,151 @@
+"""The engine's speculative decoding: proposals, the per-step plan, acceptance bookkeeping, counters."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from cllm.backends.base import Backend
+from cllm.config import CllmConfig, SpeculativeConfig
+from cllm.request import Request
+from cllm.scheduler.output import ScheduledChunk, SchedulerOutput
+from cllm.speculative.draft_model import DraftModel
+from cllm.speculative.ngram import NgramIndex
+from cllm.speculative.planner import Candidate, plan
+from cllm.speculative.step_cost import StepCost
+
+# A sequence's acceptance rate starts as PRIOR_ACCEPTED of PRIOR_TRIALS and then follows its recent
+# steps (older ones weigh DECAY less each step), so a sequence that leaves the text it was copying
+# stops speculating within a few steps, and one that starts copying is tried again.
+PRIOR_ACCEPTED = 1.0
+PRIOR_TRIALS = 2.0
+DECAY = 0.7
+MAX_ACCEPTANCE = 0.98  # never certain: keeps the expected gain of a deep draft token below 1
+
+
+@dataclass(slots=True)
+class _Sequence:
+    """What the speculator keeps per request."""
+
+    ngrams: NgramIndex | None  # prompt-lookup index (ngram method)
+    accepted: float = 0.0  # decayed count of accepted draft tokens
+    trials: float = 0.0  # decayed count of draft positions tried (accepted ones + the first rejected)
+
+    @property
+    def acceptance(self) -> float:
+        return min(MAX_ACCEPTANCE, (self.accepted + PRIOR_ACCEPTED) / (self.trials + PRIOR_TRIALS))
+
+
+@dataclass(slots=True)
+class SpeculationStats:
+    """Counters since start (``/metrics``, ``/v1/engine``)."""
+
+    proposed_tokens: int = 0  # draft tokens verified
+    accepted_tokens: int = 0  # of those, kept
+    verify_steps: int = 0  # sequence-steps that verified at least one draft token
+    emitted_tokens: int = 0  # tokens those sequence-steps produced (accepted + the target's own next)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.proposed_tokens if self.proposed_tokens else 0.0
+
+
+class Speculator:
+    """Decides, per step, which decoding sequences verify draft tokens and which tokens."""
+
+    def __init__(self, config: SpeculativeConfig, *, draft_model: DraftModel | None = None) -> None:
+        self.method = config.speculative
+        self.max_tokens = config.num_speculative_tokens
+        self._n_range = (config.speculative_ngram_min, config.speculative_ngram_max)
+        self._draft = draft_model
+        self._sequences: dict[str, _Sequence] = {}
+        self.cost = StepCost()
+        self.stats = SpeculationStats()
+
+    def propose(self, out: SchedulerOutput, budget: int, max_model_len: int) -> list[tuple[ScheduledChunk, list[int]]]:
+        """Draft tokens for this step's decodes, at most ``budget`` in all: [(chunk, draft)]."""
+        chunks = [c for c in out.chunks if c.sample and c.num_tokens == 1 and _may_speculate(c.request)]
+        if not chunks or budget <= 0 or not self._pays_at_all(out):
+            return []
+        proposals: list[tuple[ScheduledChunk, list[int] | None]] = []
+        candidates: list[Candidate] = []
+        for c in chunks:
+            req = c.request
+            limit = min(self.max_tokens, req.max_tokens - req.num_output_tokens - 1, max_model_len - req.num_tokens - 1)
+            if limit <= 0:
+                continue
+            seq = self._sequence(req)
+            tokens = seq.ngrams.propose(req.all_token_ids, limit) if seq.ngrams is not None else None
+            if tokens is not None and not tokens:
+                continue
+            proposals.append((c, tokens))
+            candidates.append(Candidate(seq.acceptance, limit if tokens is None else len(tokens)))
+        depth_seconds = self._draft.step_seconds() if self._draft is not None else 0.0
+        plan(candidates, out.num_tokens, sum(1 for c in out.chunks if c.sample), self.cost, budget, depth_seconds)
+        chosen = [(c, tokens, cand.take) for (c, tokens), cand in zip(proposals, candidates) if cand.take > 0]
+        if self._draft is not None:
+            drafted = self._draft.propose([(c.request, take) for c, _, take in chosen])
+            return [(c, drafted[c.request.request_id]) for c, _, _ in chosen if drafted.get(c.request.request_id)]
+        return [(c, tokens[:take]) for c, tokens, take in chosen]
+
+    def _pays_at_all(self, out: SchedulerOutput) -> bool:
+        """Whether a draft token accepted for sure would raise this step's tokens per second: the
+        cheap test that keeps a busy batch from proposing anything."""
+        seconds = self.cost.seconds(out.num_tokens)
+        if seconds is None:
+            return True
+        extra = (self.cost.seconds(out.num_tokens + 1) or seconds) - seconds
+        return seconds > extra * sum(1 for c in out.chunks if c.sample)
+
+    def _sequence(self, req: Request) -> _Sequence:
+        seq = self._sequences.get(req.request_id)
+        if seq is None:
+            ngrams = NgramIndex(*self._n_range) if self.method == "ngram" else None
+            seq = self._sequences[req.request_id] = _Sequence(ngrams)
+        return seq
+
+    def observe_step(self, num_tokens: int, seconds: float) -> None:
+        """A step's token count and its time from the forward's start to its sampled tokens."""
+        self.cost.observe(num_tokens, seconds)
+
+    def verified(self, req: Request, proposed: int, accepted: int, emitted: int) -> None:
+        """The outcome of one sequence's verification: ``accepted`` of ``proposed`` kept, ``emitted`` tokens out."""
+        seq = self._sequences.get(req.request_id)
+        if seq is not None:
+            seq.accepted = seq.accepted * DECAY + accepted
+            seq.trials = seq.trials * DECAY + accepted + (1 if accepted < proposed else 0)
+        s = self.stats
+        s.proposed_tokens += proposed
+        s.accepted_tokens += accepted
+        s.verify_steps += 1
+        s.emitted_tokens += emitted
+        if self._draft is not None:
+            self._draft.sync(req)
+
+    def remove(self, request_id: str) -> None:
+        """The request left the engine (finished, handed off): forget it."""
+        self._sequences.pop(request_id, None)
+        if self._draft is not None:
+            self._draft.release(request_id)
+
+    def close(self) -> None:
+        if self._draft is not None:
+            self._draft.close()
+
+
+def _may_speculate(req: Request) -> bool:
+    return req.params.speculative and not req.needs_prompt_logits
+
+
+
+def create_speculator(config: CllmConfig, backend: Backend) -> Speculator | None:
+    """The engine's speculator, or None where speculative decoding is off or the backend cannot roll
+    back KV. A draft model runs on a second backend of the same kind, with this config's other settings."""
+    sc = config.speculative
+    if sc.speculative == "off" or not backend.supports_speculation:
+        return None
+    draft = None
+    if sc.speculative == "draft":
+        from cllm.backends.registry import create_backend
+
+        draft_config = config.with_overrides(model=sc.speculative_model, speculative="off")
+        draft = DraftModel(create_backend(draft_config), vocab_size=backend.tokenizer.vocab_size)
+    return Speculator(sc, draft_model=draft)
