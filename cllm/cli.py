@@ -144,13 +144,16 @@ def serve(
     served_model_name: Optional[list[str]] = typer.Option(None, "--served-model-name", help="model name to answer to (repeatable: aliases)"),
     replicas: Optional[int] = typer.Option(None, "--replicas", help="engine replicas on Ray Serve (needs cllm[ray])"),
     pd: Optional[str] = typer.Option(None, "--pd", help="prefill/decode replicas on Ray Serve, e.g. prefill=1,decode=1"),
+    speculative: Optional[str] = typer.Option(None, "--speculative", help="speculative decoding: ngram (default) | draft | off"),
+    speculative_model: Optional[str] = typer.Option(None, "--speculative-model", help="draft model of --speculative draft"),
     sets: Optional[list[str]] = SetOpt,
 ) -> None:
     """Run the OpenAI-compatible HTTP server (on Ray Serve with --replicas N > 1 or --pd)."""
     cfg = _config(config, sets, backend=backend, model=model, host=host, port=port, api_key=api_key,
                   log_level=log_level, n_ctx=n_ctx, n_seq_max=n_seq_max, n_threads=n_threads, n_batch=n_batch,
                   max_num_seqs=max_num_seqs, max_waiting=max_waiting, request_timeout_s=request_timeout_s,
-                  served_model_name=served_model_name or None, replicas=replicas, pd=pd)
+                  served_model_name=served_model_name or None, replicas=replicas, pd=pd, speculative=speculative,
+                  speculative_model=speculative_model)
     if cfg.cluster.replicas > 1 or cfg.cluster.pd is not None:
         try:
             from cllm.cluster.app import serve_ray

@@ -57,7 +57,8 @@ def stats_board(namespace: str | None = "cllm") -> Any:
 
 _SUMMED = {"num_running", "num_waiting", "num_preempted", "slots_in_use", "slots_total",
            "prefix_cache_queried_tokens", "prefix_cache_hit_tokens", "prompt_tokens_total",
-           "generation_tokens_total", "num_preemptions", "tokens_per_s"}
+           "generation_tokens_total", "num_preemptions", "tokens_per_s", "spec_proposed_tokens",
+           "spec_accepted_tokens", "spec_verify_steps", "spec_emitted_tokens"}
 
 
 def aggregate(stats: list[EngineStats]) -> EngineStats | None:

@@ -492,8 +492,15 @@ class LLMEngine:
             kv_usage=backend.kv_usage(), prefix_cache_queried_tokens=queried, prefix_cache_hit_tokens=hits,
             prompt_tokens_total=self._prompt_tokens, generation_tokens_total=self._generated_tokens,
             num_preemptions=sched.num_preemptions, tokens_per_s=self._rate.rate(),
-            requests_finished=dict(self._finished_counts),
+            requests_finished=dict(self._finished_counts), **self._speculation_stats(),
         )
+
+    def _speculation_stats(self) -> dict[str, int]:
+        s = self.speculator.stats if self.speculator is not None else None
+        if s is None:
+            return {}
+        return dict(spec_proposed_tokens=s.proposed_tokens, spec_accepted_tokens=s.accepted_tokens,
+                    spec_verify_steps=s.verify_steps, spec_emitted_tokens=s.emitted_tokens)
 
     def running_requests(self) -> list[RunningRequestInfo]:
         now = time.monotonic()

@@ -23,11 +23,25 @@ class EngineStats:
     num_preemptions: int  # preemptions since start
     tokens_per_s: float  # generation rate over the last few seconds
     requests_finished: dict[str, int] = field(default_factory=dict)  # finish_reason -> count
+    spec_proposed_tokens: int = 0  # speculative decoding: draft tokens verified
+    spec_accepted_tokens: int = 0  # of those, kept
+    spec_verify_steps: int = 0  # sequence-steps that verified drafts
+    spec_emitted_tokens: int = 0  # tokens those sequence-steps produced (accepted drafts + the model's own next)
 
     @property
     def prefix_cache_hit_rate(self) -> float:
         q = self.prefix_cache_queried_tokens
         return self.prefix_cache_hit_tokens / q if q else 0.0
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        """Accepted / proposed draft tokens (0 before any)."""
+        return self.spec_accepted_tokens / self.spec_proposed_tokens if self.spec_proposed_tokens else 0.0
+
+    @property
+    def spec_tokens_per_verify(self) -> float:
+        """Tokens a verifying sequence-step produced on average (1 = speculation gave nothing)."""
+        return self.spec_emitted_tokens / self.spec_verify_steps if self.spec_verify_steps else 0.0
 
 
 @dataclass(slots=True)

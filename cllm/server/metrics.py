@@ -45,6 +45,8 @@ class EngineStatsCollector(Collector):
             "cllm_kv_cache_usage_ratio": ("Fraction of KV cache used by live sequences", s.kv_usage),
             "cllm_prefix_cache_hit_rate": ("Prompt tokens served from prefix cache / prompt tokens asked", s.prefix_cache_hit_rate),
             "cllm_generation_tokens_per_second": ("Recent generation throughput", s.tokens_per_s),
+            "cllm_spec_decode_acceptance_rate": ("Speculative decoding: accepted / proposed draft tokens", s.spec_acceptance_rate),
+            "cllm_spec_decode_tokens_per_verify": ("Speculative decoding: tokens per verifying sequence-step", s.spec_tokens_per_verify),
         }
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(name, doc, value=float(value))
@@ -53,6 +55,10 @@ class EngineStatsCollector(Collector):
             "cllm_generation_tokens": ("Tokens generated", s.generation_tokens_total),
             "cllm_prefix_cache_queried_tokens": ("Prompt tokens looked up in the prefix cache", s.prefix_cache_queried_tokens),
             "cllm_prefix_cache_hit_tokens": ("Prompt tokens found in the prefix cache", s.prefix_cache_hit_tokens),
+            "cllm_spec_decode_num_draft_tokens": ("Speculative decoding: draft tokens verified", s.spec_proposed_tokens),
+            "cllm_spec_decode_num_accepted_tokens": ("Speculative decoding: draft tokens accepted", s.spec_accepted_tokens),
+            "cllm_spec_decode_num_verify_steps": ("Speculative decoding: sequence-steps that verified drafts", s.spec_verify_steps),
+            "cllm_spec_decode_num_emitted_tokens": ("Speculative decoding: tokens those steps produced", s.spec_emitted_tokens),
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(name, doc, value=float(value))

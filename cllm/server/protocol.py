@@ -48,6 +48,7 @@ class GenerationRequest(_Request):
     repetition_penalty: float | None = None
     min_tokens: int | None = None
     ignore_eos: bool | None = None
+    speculative: bool | None = Field(None, description="false: no speculative decoding for this request (default: the server's setting)")
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool | None = None
     priority: int | None = Field(None, description="lower runs first under the priority scheduling policy")

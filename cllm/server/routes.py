@@ -58,6 +58,8 @@ async def engine_state(request: Request) -> dict[str, Any]:
     stats_dict = _as_dict(stats)
     if isinstance(stats_dict, dict) and hasattr(stats, "prefix_cache_hit_rate"):
         stats_dict["prefix_cache_hit_rate"] = stats.prefix_cache_hit_rate  # a property, not a field
+        stats_dict["spec_acceptance_rate"] = stats.spec_acceptance_rate
+        stats_dict["spec_tokens_per_verify"] = stats.spec_tokens_per_verify
     # the file llama.cpp runs (a converted copy under llama_cpp.weights: auto / q8_0 / f16), where known
     backend = getattr(getattr(model.engine, "engine", None), "backend", None)
     weights = getattr(backend, "weights_path", None)

@@ -73,6 +73,7 @@ def build_sampling_params(
             stop_token_ids=list(req.stop_token_ids or []),
             min_tokens=req.min_tokens or 0,
             ignore_eos=bool(req.ignore_eos),
+            speculative=req.speculative is not False,
             n=1 if req.n is None else req.n,
             logprobs=logprobs,
             include_stop_str_in_output=bool(req.include_stop_str_in_output),
