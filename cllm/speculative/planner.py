@@ -41,16 +41,21 @@ def plan(candidates: list[Candidate], base_tokens: int, num_sampled: int, cost: 
             c.take = min(c.limit, EXPLORE_TOKENS, budget)
             budget -= c.take
         return
-    tokens, expected, depth = base_tokens, float(num_sampled), 0
+    # ``forward``: the target's step alone (cost.seconds of its token count); ``seconds`` adds the draft
+    # model's decode steps (depth_seconds per depth), which the next token's forward cost must not absorb.
+    tokens, expected, depth, forward = base_tokens, float(num_sampled), 0, seconds
     heap = [(-c.acceptance, i, 1) for i, c in enumerate(candidates) if c.limit > 0 and c.acceptance > 0]
     heapq.heapify(heap)
     while heap and budget > 0:
         gain, i, j = -heap[0][0], heap[0][1], heap[0][2]
-        extra = (cost.seconds(tokens + 1) or seconds) - seconds + (depth_seconds if j > depth else 0.0)
+        longer = cost.seconds(tokens + 1)
+        longer = forward if longer is None else longer
+        extra = longer - forward + (depth_seconds if j > depth else 0.0)
         if gain * seconds <= extra * expected:
             return
         heapq.heappop(heap)
         c = candidates[i]
         c.take, tokens, seconds, expected, depth, budget = j, tokens + 1, seconds + extra, expected + gain, max(depth, j), budget - 1
+        forward = longer
         if j < c.limit:
             heapq.heappush(heap, (-gain * c.acceptance, i, j + 1))

@@ -1,0 +1,260 @@
+"""The parts of speculative decoding that need no model: n-gram proposals, the step-cost curve, the plan.
+
+And one engine-level check on the fake backend (its "model" counts: t -> t + 1), where speculation's
+output must equal the output without it token for token, with the fake KV kept exact by
+``Backend.truncate`` (the fake asserts every position it evaluates follows what it holds).
+"""
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import cllm
+from cllm.engine.llm_engine import LLMEngine
+from cllm.speculative.ngram import NgramIndex
+from cllm.speculative.planner import EXPLORE_TOKENS, Candidate, plan
+from cllm.speculative.step_cost import StepCost
+from tests.unit.fakes import FakeBackend, fake_config, run_all
+
+
+# ----------------------------------------------------------------------------------- n-grams
+
+def reference_propose(tokens: Sequence[int], k: int, n_min: int, n_max: int) -> list[int]:
+    """From scratch: the longest n (n_max down to n_min) whose last-n tokens occur ending before the
+    end of the sequence; the tokens after its most recent such occurrence."""
+    length = len(tokens)
+    for n in range(n_max, n_min - 1, -1):
+        if length < n:
+            continue
+        tail = list(tokens[length - n:])
+        for end in range(length - 1, n - 1, -1):  # most recent first; end == length is the tail itself
+            if list(tokens[end - n:end]) == tail:
+                return list(tokens[end:end + k])
+    return []
+
+
+def test_ngram_prefers_the_longest_match_over_a_more_recent_shorter_one():
+    idx = NgramIndex(2, 4)
+    #         0  1  2  3  4  5   6  7  8   9  10  11
+    tokens = [1, 2, 3, 4, 50, 51, 3, 4, 60, 2, 3, 4]
+    # "2 3 4" (3-gram) ended at position 4 -> [50, 51, ...]; "3 4" alone ended more recently, at 8 -> [60, ...]
+    assert idx.propose(tokens, 3) == [50, 51, 3]
+
+
+def test_ngram_takes_the_most_recent_occurrence():
+    idx = NgramIndex(2, 2)
+    tokens = [7, 8, 1, 7, 8, 2, 7, 8]
+    assert idx.propose(tokens, 2) == [2, 7]
+
+
+def test_ngram_never_matches_the_tail_itself_and_respects_k():
+    assert NgramIndex(2, 4).propose([1, 2, 3, 4, 5], 8) == []  # no n-gram occurs twice
+    assert NgramIndex(1, 1).propose([9], 4) == []  # a single token cannot match anything before it
+    assert NgramIndex(2, 2).propose([5, 5, 5], 8) == [5]  # overlapping earlier occurrence: what followed it
+    tokens = list(range(10)) + list(range(3))  # 0..9 then 0 1 2: proposes 3 4 5 ...
+    assert NgramIndex(2, 3).propose(tokens, 4) == [3, 4, 5, 6]
+    assert NgramIndex(2, 3).propose(tokens, 100) == list(range(3, 10)) + [0, 1, 2]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(0, 3), min_size=1, max_size=60), st.data())
+def test_ngram_incremental_index_equals_a_search_from_scratch(tokens, data):
+    n_min = data.draw(st.integers(1, 3))
+    n_max = data.draw(st.integers(n_min, 5))
+    idx = NgramIndex(n_min, n_max)
+    length = 0
+    while length < len(tokens):  # the sequence grows by 1..4 tokens between lookups, as decoding does
+        length = min(len(tokens), length + data.draw(st.integers(1, 4)))
+        k = data.draw(st.integers(1, 8))
+        assert idx.propose(tokens[:length], k) == reference_propose(tokens[:length], k, n_min, n_max)
+
+
+# --------------------------------------------------------------------------------- step cost
+
+def test_step_cost_unknown_until_two_buckets():
+    cost = StepCost()
+    assert cost.seconds(1) is None
+    for _ in range(5):
+        cost.observe(1, 0.01)
+    assert cost.seconds(1) is None  # one bucket (token count 1) only
+    cost.observe(0, 0.5)
+    cost.observe(3, 0.0)  # ignored: no tokens, no time
+    assert cost.seconds(1) is None
+    cost.observe(3, 0.02)  # bucket of 2..3 tokens
+    assert cost.seconds(1) == pytest.approx(0.01) and cost.seconds(3) == pytest.approx(0.02)
+
+
+def test_step_cost_interpolates_and_extends_with_the_last_slope():
+    cost = StepCost()
+    cost.observe(1, 0.010)
+    cost.observe(4, 0.016)
+    cost.observe(16, 0.040)
+    assert cost.seconds(2) == pytest.approx(0.012)  # between 1 and 4: 2 ms per token
+    assert cost.seconds(10) == pytest.approx(0.028)  # between 4 and 16: 2 ms per token
+    assert cost.seconds(32) == pytest.approx(0.072)  # past 16: the last slope goes on
+    assert cost.seconds(0) == pytest.approx(0.008)  # before 1: the first slope, never below 0
+    # A bucket's point is a moving average of its steps' token counts and seconds.
+    for _ in range(200):
+        cost.observe(5, 0.020)
+    assert cost.seconds(5) == pytest.approx(0.020, rel=1e-6)
+
+
+def test_step_cost_is_monotone_under_noisy_timings():
+    rng = random.Random(7)
+    cost = StepCost()
+    for _ in range(3000):
+        n = rng.choice([1, 1, 1, 2, 3, 5, 8, 13, 24, 40, 64, 100, 200, 500])
+        cost.observe(n, (0.01 + 0.0002 * n) * rng.lognormvariate(0, 0.5))  # heavy timing noise
+    values = [cost.seconds(n) for n in range(0, 1025)]
+    assert all(v is not None and v >= 0 for v in values)
+    assert all(b >= a for a, b in zip(values, values[1:])), "a bigger step was estimated cheaper"
+    # A bigger step timed faster than a smaller one (noise) never makes it count as cheaper.
+    cost = StepCost()
+    cost.observe(2, 0.03)
+    cost.observe(40, 0.01)
+    assert cost.seconds(40) == pytest.approx(0.03) and cost.seconds(100) == pytest.approx(0.03)
+
+
+# ------------------------------------------------------------------------------------- plan
+
+def linear_cost(per_token: float, fixed: float = 0.0) -> StepCost:
+    cost = StepCost()
+    for n in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024):
+        cost.observe(n, fixed + per_token * n)
+    return cost
+
+
+def test_plan_busy_batch_with_linear_cost_proposes_nothing():
+    cost = linear_cost(0.001)  # every token costs the same: extra tokens are never cheaper than decodes
+    candidates = [Candidate(acceptance=0.98, limit=24) for _ in range(64)]
+    plan(candidates, base_tokens=64, num_sampled=64, cost=cost, budget=1000)
+    assert [c.take for c in candidates] == [0] * 64
+    # Even with a fixed cost per step, 64 sure tokens outweigh a 0.9-likely one.
+    cost = linear_cost(0.001, fixed=0.005)
+    candidates = [Candidate(acceptance=0.9, limit=24) for _ in range(64)]
+    plan(candidates, base_tokens=64, num_sampled=64, cost=cost, budget=1000)
+    assert sum(c.take for c in candidates) == 0
+
+
+def test_plan_one_likely_sequence_on_a_cheap_curve_gets_a_long_draft_bounded_by_limit_and_budget():
+    cost = linear_cost(1e-5, fixed=0.010)  # weight-bandwidth bound: an extra token costs 0.1 % of a step
+    one = [Candidate(acceptance=0.9, limit=24)]
+    plan(one, base_tokens=1, num_sampled=1, cost=cost, budget=100)
+    assert one[0].take == 24  # the limit binds
+    one = [Candidate(acceptance=0.9, limit=24)]
+    plan(one, base_tokens=1, num_sampled=1, cost=cost, budget=10)
+    assert one[0].take == 10  # the budget binds
+    one = [Candidate(acceptance=0.9, limit=5)]
+    plan(one, base_tokens=1, num_sampled=1, cost=cost, budget=100)
+    assert one[0].take == 5
+
+
+def test_plan_low_acceptance_gets_few_and_never_more_than_high_acceptance():
+    cost = linear_cost(0.0005, fixed=0.010)  # CPU-like: an extra token costs 5 % of a one-token step
+    low, high = Candidate(acceptance=0.1, limit=24), Candidate(acceptance=0.9, limit=24)
+    plan([low], base_tokens=1, num_sampled=1, cost=cost, budget=100)
+    plan([high], base_tokens=1, num_sampled=1, cost=cost, budget=100)
+    assert 0 <= low.take <= 2 and low.take < high.take < 24
+    zero = Candidate(acceptance=0.0, limit=24)
+    plan([zero], base_tokens=1, num_sampled=1, cost=cost, budget=100)
+    assert zero.take == 0
+    a, b = Candidate(acceptance=0.3, limit=24), Candidate(acceptance=0.8, limit=24)
+    plan([a, b], base_tokens=2, num_sampled=2, cost=cost, budget=100)
+    assert a.take <= b.take
+
+
+def expected_rate(takes: Sequence[int], accept: Sequence[float], base: int, sampled: int, cost: StepCost,
+                  depth_seconds: float) -> float:
+    """The planner's own model: expected tokens emitted / expected seconds of the step."""
+    emitted = sampled + sum(sum(a ** j for j in range(1, t + 1)) for t, a in zip(takes, accept))
+    seconds = cost.seconds(base + sum(takes)) + depth_seconds * max(takes, default=0)
+    return emitted / seconds
+
+
+@pytest.mark.parametrize("depth_seconds", [0.0, 0.004])
+def test_plan_single_sequence_is_the_best_draft_length_of_its_model(depth_seconds):
+    """For one sequence the marginal rule finds the draft length with the highest expected tokens per
+    second, where a draft model costs ``depth_seconds`` per depth (each depth is one draft decode)."""
+    cost = linear_cost(1e-6, fixed=0.010)
+    for acceptance in (0.5, 0.8, 0.9, 0.98):
+        cand = [Candidate(acceptance=acceptance, limit=24)]
+        plan(cand, base_tokens=1, num_sampled=1, cost=cost, budget=100, depth_seconds=depth_seconds)
+        rates = [expected_rate([t], [acceptance], 1, 1, cost, depth_seconds) for t in range(25)]
+        best = max(range(25), key=rates.__getitem__)
+        assert cand[0].take == best, (acceptance, cand[0].take, best, rates[cand[0].take], rates[best])
+
+
+def test_plan_respects_the_budget_and_limits():
+    rng = random.Random(3)
+    for trial in range(200):
+        cost = linear_cost(rng.choice([1e-6, 1e-4, 1e-3]), fixed=rng.choice([0.0, 0.005, 0.02]))
+        if trial % 4 == 0:
+            cost = StepCost()  # unknown: exploration
+        cands = [Candidate(acceptance=rng.random(), limit=rng.randint(0, 30)) for _ in range(rng.randint(1, 12))]
+        budget = rng.randint(0, 60)
+        plan(cands, base_tokens=len(cands), num_sampled=len(cands), cost=cost, budget=budget,
+             depth_seconds=rng.choice([0.0, 0.001]))
+        assert sum(c.take for c in cands) <= budget
+        assert all(0 <= c.take <= c.limit for c in cands)
+
+
+def test_plan_explores_while_the_cost_is_unknown():
+    cost = StepCost()
+    cands = [Candidate(acceptance=0.5, limit=24), Candidate(acceptance=0.5, limit=2), Candidate(acceptance=0.5, limit=24)]
+    plan(cands, base_tokens=3, num_sampled=3, cost=cost, budget=100)
+    assert [c.take for c in cands] == [EXPLORE_TOKENS, 2, EXPLORE_TOKENS]
+    cands = [Candidate(acceptance=0.5, limit=24) for _ in range(3)]
+    plan(cands, base_tokens=3, num_sampled=3, cost=cost, budget=EXPLORE_TOKENS + 1)
+    assert [c.take for c in cands] == [EXPLORE_TOKENS, 1, 0]  # the budget still holds
+
+
+# ------------------------------------------------------------------- the engine, fake backend
+
+class SpeculatingFake(FakeBackend):
+    """The counting fake with ``truncate``: its KV list is cut like llama.cpp's seq_rm cuts a tail."""
+
+    supports_speculation = True
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.truncated: list[tuple[str, int]] = []
+
+    def truncate(self, sequence_id: str, num_tokens: int) -> int:
+        self.truncated.append((sequence_id, num_tokens))
+        del self.kv[sequence_id][num_tokens:]
+        return len(self.kv[sequence_id])
+
+
+def fake_engine(**overrides) -> LLMEngine:
+    config = fake_config(n_seq_max=4, **overrides)
+    return LLMEngine(config, SpeculatingFake(slots=4, max_batch_tokens=64))
+
+
+def test_engine_on_the_fake_output_equals_no_speculation_and_kv_is_rolled_back():
+    # The counting model continues 0 1 2 3 ...; a prompt that repeats "a..e" and then breaks the
+    # pattern gives n-gram drafts that are partly right, partly wrong (rejected, then truncated).
+    prompts = ["abcdeabcdeabcdeab", "xyzxyzxyzxyzx", "abcabcabcabcab"]
+    params = [cllm.SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in (13, 20, 7)]
+    results = {}
+    for spec in ("off", "ngram"):
+        engine = fake_engine(speculative=spec)
+        for i, (p, sp) in enumerate(zip(prompts, params)):
+            engine.add_request(p, sp, request_id=f"r{i}")
+        results[spec] = run_all(engine)
+        if spec == "ngram":
+            stats = engine.speculator.stats
+            backend = engine.backend
+    for rid, out in results["off"].items():
+        got = results["ngram"][rid]
+        assert got.outputs[0].token_ids == out.outputs[0].token_ids
+        assert len(got.outputs[0].token_ids) == got.usage.completion_tokens
+    assert [len(results["ngram"][f"r{i}"].outputs[0].token_ids) for i in range(3)] == [13, 20, 7]  # max_tokens exact
+    assert stats.proposed_tokens > stats.accepted_tokens > 0 and backend.truncated
+    assert stats.emitted_tokens == stats.accepted_tokens + stats.verify_steps
+    # Batches held draft tokens: some step evaluated more than one token of a decoding sequence.
+    assert any(sum(1 for s in seqs if s == "r0") > 1 and pos[seqs.index("r0")] >= len(prompts[0])
+               for _, pos, seqs in backend.batches)
