@@ -10,6 +10,7 @@ import itertools
 import time
 import uuid
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -36,6 +37,20 @@ from cllm.structured.limits import ConstraintLimits
 from cllm.structured.manager import PendingMask
 
 Prompt = str | Sequence[int]
+
+
+@dataclass(slots=True)
+class _Verification:
+    """One sequence's draft tokens being verified this step (LLMEngine._verify)."""
+
+    chunk: ScheduledChunk  # its chunk: the last token and the draft tokens
+    logits: np.ndarray  # its rows of logits, one per token of the chunk
+    group: RequestGroup  # the request group it belongs to
+    index: int  # its choice index in the group
+    emitted: int = 0  # tokens emitted so far
+    accepted: int = 0  # draft tokens kept so far
+    status: RequestStatus | None = None  # what ended the request, if anything did
+    reason: str | int | None = None  # its stop_reason
 
 
 class LLMEngine:
@@ -307,7 +322,9 @@ class LLMEngine:
             if c.start < n_prompt and not c.request.status.is_finished:
                 self._prompt_tokens += min(c.start + c.num_tokens, n_prompt) - c.start
         self._sample_and_update(out, sampled_reqs, logits, touched, mask, verify)
-        if self.speculator is not None:  # the step's cost by its size, sampling included (on CUDA it waits there)
+        if self.speculator is not None and all(c.num_tokens == 1 + len(c.draft) for c in out.chunks):
+            # A decode step's cost by its size (every token has a logits row: the rows drafts add), its
+            # sampling and verification included (on CUDA the host waits for the device there).
             self.speculator.observe_step(out.num_tokens, time.perf_counter() - started)
 
     def _forward(self, chunks: list[ScheduledChunk]) -> tuple[np.ndarray, list[tuple[ScheduledChunk, np.ndarray]]]:
@@ -386,8 +403,8 @@ class LLMEngine:
             if self.structured.accept(req) and req.status is RequestStatus.RUNNING:
                 self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)  # the grammar is complete
             touched[group.group_id] = group
-        for chunk, rows in verify:
-            self._verify(chunk, rows, touched, now)
+        if verify:
+            self._verify(verify, touched, now)
         for request_id, error in self.structured.take_broken().items():
             self._fail([request_id], error, touched)
         for chunk in out.chunks:  # requests that ended without a token (max_tokens=0 scores the prompt only)
@@ -396,58 +413,77 @@ class LLMEngine:
         self._generated_tokens += len(by_id)
         self._rate.add(len(by_id), now)
 
-    def _verify(self, chunk: ScheduledChunk, logits: np.ndarray, touched: dict[str, RequestGroup], now: float) -> None:
-        """Keep the draft tokens the target itself would have produced, and the target's next token.
+    def _verify(self, verify: Sequence[tuple[ScheduledChunk, np.ndarray]], touched: dict[str, RequestGroup],
+                now: float) -> None:
+        """Keep the draft tokens the model itself would have produced, and the model's next token.
 
         Position by position, exactly as one step at a time would (penalties over the output so far, the
         grammar's mask in its current state, one draw from the request's generator per token): sample
-        the target's token, emit it, and go on only while it equals the draft token evaluated there. So
-        greedy output is the target's argmax path, and a sampled request's tokens follow the target's
+        the model's token, emit it, and go on while it equals the draft token evaluated there. So greedy
+        output is the model's argmax path, and a sampled request's tokens follow the model's
         distribution with the same seeded draws as without speculation (a draft is a single proposed
-        token, for which accepting when the draw equals it is the exact rejection-sampling rule). The
-        KV of rejected draft tokens is then dropped; what ends the request (a stop token or string,
-        max_tokens, a complete grammar) ends it at that token, as it would have."""
-        req, draft = chunk.request, chunk.draft
-        if req.status is not RequestStatus.RUNNING:
-            return  # aborted during the step: its KV is released already
-        group, index = self._group_of[req.request_id]
-        rid, rng = req.request_id, self._rngs[req.request_id]
-        req.num_computed_tokens = chunk.start + 1
-        status, reason, accepted = None, None, 0
-        for i in range(len(draft) + 1):
-            row = logits[i:i + 1]
-            if self.structured.is_constrained(rid):
-                self.structured.apply(row, [rid], self.structured.start_fill([req]))
-            sampled = sample_logits(row, [SamplingRow(req.params, rng, req.prompt_token_ids, req.output_token_ids,
-                                                      req.stop_ids)])[0]
-            token = sampled.token_id
-            req.output_token_ids.append(token)
-            status = self.scheduler.stop_status(req, token)
-            reason = token if status is RequestStatus.FINISHED_STOPPED and token in req.params.stop_token_ids else None
-            if self._defer_text and not req.params.stop:
-                self._deferred.append((group, index, sampled))
-            else:
-                stop = group.on_token(index, sampled)
-                if stop is not None:
-                    status, reason = RequestStatus.FINISHED_STOPPED, stop
-            if self.structured.accept(req) and status is None:
-                status = RequestStatus.FINISHED_STOPPED  # the grammar is complete
-            hit = i < len(draft) and token == draft[i]
-            accepted += hit
-            if status is not None or not hit:
-                break
-            req.num_computed_tokens += 1  # the draft token's KV was computed and it is kept
-        emitted = i + 1
+        token, for which accepting when the draw equals it is the exact rejection-sampling rule). Each
+        position is one batched sampling call over every sequence still verifying. The KV of rejected
+        draft tokens is then dropped; whatever ends a request (a stop token or string, max_tokens, a
+        complete grammar) ends it at that token, as it would have."""
+        pending = [_Verification(chunk, rows, *self._group_of[chunk.request.request_id])
+                   for chunk, rows in verify if chunk.request.status is RequestStatus.RUNNING]  # (else aborted mid-step)
+        depth = 0
+        while pending:
+            reqs = [v.chunk.request for v in pending]
+            logits = stack_rows([v.logits[depth] for v in pending], self.tokenizer.vocab_size)
+            constrained = [r for r in reqs if self.structured.is_constrained(r.request_id)]
+            if constrained:
+                self.structured.apply(logits, [r.request_id for r in reqs], self.structured.start_fill(constrained))
+            rows = [SamplingRow(r.params, self._rngs[r.request_id], r.prompt_token_ids, r.output_token_ids, r.stop_ids)
+                    for r in reqs]
+            going_on = []
+            for v, sampled in zip(pending, sample_logits(logits, rows)):
+                if self._take_token(v, depth, sampled):
+                    going_on.append(v)
+                else:
+                    self._end_verification(v, touched, now)
+            pending = going_on
+            depth += 1
+
+    def _take_token(self, v: _Verification, depth: int, sampled: SampledToken) -> bool:
+        """Emit one verified position's token; True while the sequence goes on to its next draft token."""
+        req, draft = v.chunk.request, v.chunk.draft
+        token = sampled.token_id
+        if depth == 0:
+            req.num_computed_tokens = v.chunk.start + 1  # its last token's KV
+        req.output_token_ids.append(token)
+        v.emitted += 1
+        status = self.scheduler.stop_status(req, token)
+        reason = token if status is RequestStatus.FINISHED_STOPPED and token in req.params.stop_token_ids else None
+        if self._defer_text and not req.params.stop:
+            self._deferred.append((v.group, v.index, sampled))
+        else:
+            stop = v.group.on_token(v.index, sampled)
+            if stop is not None:
+                status, reason = RequestStatus.FINISHED_STOPPED, stop
+        if self.structured.accept(req) and status is None:
+            status = RequestStatus.FINISHED_STOPPED  # the grammar is complete
+        v.status, v.reason = status, reason
+        hit = depth < len(draft) and token == draft[depth]
+        v.accepted += hit
+        if status is not None or not hit:
+            return False
+        req.num_computed_tokens += 1  # the draft token's KV was computed, and it is kept
+        return True
+
+    def _end_verification(self, v: _Verification, touched: dict[str, RequestGroup], now: float) -> None:
+        req, chunk = v.chunk.request, v.chunk
         if req.num_computed_tokens < chunk.start + chunk.num_tokens:
-            req.num_computed_tokens = min(req.num_computed_tokens, self.backend.truncate(rid, req.num_computed_tokens))
-        self.speculator.verified(req, len(draft), accepted, emitted)
-        if status is not None:
-            req.stop_reason = reason
-            self.scheduler.finish(req, status)
+            req.num_computed_tokens = min(req.num_computed_tokens, self.backend.truncate(req.request_id, req.num_computed_tokens))
+        self.speculator.verified(req, len(chunk.draft), v.accepted, v.emitted)
+        if v.status is not None:
+            req.stop_reason = v.reason
+            self.scheduler.finish(req, v.status)
         req.metrics.last_token_time = now
-        touched[group.group_id] = group
-        self._generated_tokens += emitted
-        self._rate.add(emitted, now)
+        touched[v.group.group_id] = v.group
+        self._generated_tokens += v.emitted
+        self._rate.add(v.emitted, now)
 
     def _fail(self, sequence_ids: list[str], error: str, touched: dict[str, RequestGroup]) -> None:
         for req in self.scheduler.fail(sequence_ids, error):

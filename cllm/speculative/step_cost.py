@@ -1,43 +1,45 @@
 """How long a step takes by its token count, as measured on this machine and backend."""
 from __future__ import annotations
 
-# Weight of the newest step in a bucket's moving average.
-SMOOTHING = 0.1
+from collections import deque
+from statistics import median
+
+# Steps remembered per bucket. A median, not a moving average: a step that includes one-off work (the
+# first decode of a shape allocates llama.cpp's compute buffers; measured 2 s against 12 ms) must not
+# set the cost for hundreds of steps after it.
+WINDOW = 15
 
 
 class StepCost:
-    """Seconds per step as a function of the tokens in it: a moving average per power-of-two bucket of
-    token counts (the mean count and the mean seconds of the steps that fell in it), interpolated
-    linearly between buckets and extended with the last slope. It answers None until two buckets
-    are measured."""
+    """Seconds per step as a function of the tokens in it: per power-of-two bucket of token counts, the
+    median count and median seconds of its last WINDOW steps, interpolated linearly between buckets
+    and extended with the last slope. It answers None until two buckets are measured."""
 
     def __init__(self) -> None:
-        self._points: dict[int, list[float]] = {}  # bucket (bit length of the count) -> [mean tokens, mean seconds]
+        self._steps: dict[int, deque[tuple[int, float]]] = {}  # bucket (bit length of the count) -> (tokens, seconds)
         self._sorted: list[tuple[float, float]] | None = None  # (tokens, seconds) by tokens, made monotone
 
     def observe(self, num_tokens: int, seconds: float) -> None:
         if num_tokens <= 0 or seconds <= 0:
             return
-        point = self._points.get(num_tokens.bit_length())
-        if point is None:
-            self._points[num_tokens.bit_length()] = [float(num_tokens), seconds]
-            self._sorted = None
-            return
-        point[0] += SMOOTHING * (num_tokens - point[0])
-        point[1] += SMOOTHING * (seconds - point[1])
+        bucket = num_tokens.bit_length()
+        steps = self._steps.get(bucket)
+        if steps is None:
+            steps = self._steps[bucket] = deque(maxlen=WINDOW)
+        steps.append((num_tokens, seconds))
         self._sorted = None
 
     def seconds(self, num_tokens: int) -> float | None:
         """Expected seconds of a step of ``num_tokens`` tokens; None while fewer than two buckets are known."""
-        if len(self._points) < 2:
+        if len(self._steps) < 2:
             return None
         points = self._sorted
         if points is None:
             points, top = [], 0.0
-            for bucket in sorted(self._points):  # a bigger step never counts as cheaper (timing noise)
-                x, y = self._points[bucket]
-                top = max(top, y)
-                points.append((x, top))
+            for bucket in sorted(self._steps):  # a bigger step never counts as cheaper (timing noise)
+                steps = self._steps[bucket]
+                top = max(top, median(s for _, s in steps))
+                points.append((median(n for n, _ in steps), top))
             self._sorted = points
         i = 1
         while i < len(points) - 1 and num_tokens > points[i][0]:

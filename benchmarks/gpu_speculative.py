@@ -1,0 +1,113 @@
+"""Speculative decoding on the torch backend (CUDA, or the CPU with --smoke): speed, acceptance, identity.
+
+A random-weight model of the Llama-3.2-1B shape (bfloat16, vocabulary 49,152 with the embedded model's
+tokenizer from ``--tokenizer``), ``cllm.LLM(backend="torch")`` with ``speculative`` off and ngram,
+alternating, greedy:
+
+- one stream, 256 tokens after a prompt: output tokens/s (end to end, prefill included), acceptance;
+- 64 streams at once: tokens/s (speculation must not slow a busy batch);
+- greedy outputs with and without speculation compared token for token.
+
+A random model copies nothing on purpose; what n-gram drafts it gets are the loops greedy decoding of
+random weights falls into. So this checks the path on a GPU (verification rows in the batch, block
+roll-back, CUDA graphs kept for pure decode steps) and its cost when drafts fail; the speed-up on text a
+model copies is measured on the CPU by benchmarks/speculative.py.
+
+    PYTHONPATH=.site:. python3 benchmarks/gpu_speculative.py --tokenizer .tok
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from gpu_decode import SHAPES, build_model  # noqa: E402
+
+SMOKE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+             vocab_size=49152, tie_word_embeddings=True, rope_theta=10000.0)
+
+
+def engine(model_dir: Path, mode: str, device: str):
+    from cllm import LLM
+
+    return LLM(backend="torch", model=str(model_dir), device=device, speculative=mode, n_seq_max=64, gpu_n_seq_max=64,
+               n_ctx=1024 * 64 if device == "cpu" else 1024)
+
+
+def prompts(n: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(1)
+    return [torch.randint(100, 40000, (120,), generator=gen).tolist() for _ in range(n)]
+
+
+def timed(llm, batch: list[list[int]], tokens: int):
+    from cllm.sampling.params import SamplingParams
+
+    params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
+    started = time.perf_counter()
+    outs = llm.generate(batch, params)
+    seconds = time.perf_counter() - started
+    return sum(len(o.outputs[0].token_ids) for o in outs) / seconds, [o.outputs[0].token_ids for o in outs]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--tokenizer", type=Path, required=True)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--tokens", type=int, default=256)
+    p.add_argument("--smoke", action="store_true", help="CPU, a 2-layer model, fewer tokens")
+    p.add_argument("--json", type=Path, default=None)
+    args = p.parse_args()
+    device = "cpu" if args.smoke else "cuda"
+    tokens = 32 if args.smoke else args.tokens
+    workdir = Path(tempfile.mkdtemp(prefix="cllm-spec-gpu-"))
+    try:
+        shape = SMOKE if args.smoke else {**SHAPES["llama-3.2-1b"], "vocab_size": 49152}
+        SHAPES["bench"] = shape
+        build_model("bench", torch.float32 if args.smoke else torch.bfloat16, workdir, torch.device(device))
+        for f in args.tokenizer.iterdir():
+            shutil.copy(f, workdir / f.name)
+        llms = {mode: engine(workdir, mode, device) for mode in ("off", "ngram")}
+        one, many, same = {m: [] for m in llms}, {m: [] for m in llms}, True
+        for round_no in range(args.rounds):
+            for mode in (("off", "ngram") if round_no % 2 == 0 else ("ngram", "off")):
+                rate, ids1 = timed(llms[mode], prompts(1), tokens)
+                one[mode].append(rate)
+                rate, ids64 = timed(llms[mode], prompts(64), tokens // 2)
+                many[mode].append(rate)
+                if mode == "ngram":
+                    spec_ids = (ids1, ids64)
+                else:
+                    base_ids = (ids1, ids64)
+            same = same and spec_ids == base_ids
+        stats = llms["ngram"].engine.speculator.stats
+        report = {
+            "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+            "one_stream_tok_s": {m: statistics.median(v) for m, v in one.items()},
+            "streams_64_tok_s": {m: statistics.median(v) for m, v in many.items()},
+            "greedy_identical": same,
+            "proposed": stats.proposed_tokens, "accepted": stats.accepted_tokens,
+            "acceptance_rate": stats.acceptance_rate, "tokens_per_verify": stats.emitted_tokens / max(1, stats.verify_steps),
+        }
+        r1 = report["one_stream_tok_s"]["ngram"] / report["one_stream_tok_s"]["off"]
+        r64 = report["streams_64_tok_s"]["ngram"] / report["streams_64_tok_s"]["off"]
+        print(f"{report['device']}: one stream {report['one_stream_tok_s']['off']:.0f} -> {report['one_stream_tok_s']['ngram']:.0f} "
+              f"tok/s ({r1:.2f}x); 64 streams {report['streams_64_tok_s']['off']:.0f} -> "
+              f"{report['streams_64_tok_s']['ngram']:.0f} ({r64:.2f}x); drafts {stats.proposed_tokens}, accepted "
+              f"{stats.accepted_tokens} ({stats.acceptance_rate:.0%}); greedy identical: {same}")
+        if args.json:
+            args.json.write_text(json.dumps(report, indent=1))
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
