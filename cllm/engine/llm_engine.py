@@ -502,8 +502,9 @@ class LLMEngine:
                 continue  # its final output went out already (with deferred text, earlier this step)
             if group.group_id in pending:
                 continue  # text still to come: its output is made when it is flushed
-            outputs.append(group.make_output())
-            if group.finished:
+            output = group.make_output()
+            outputs.append(output)
+            if output.finished:
                 self._forget(group)
         return outputs
 

@@ -58,6 +58,8 @@ def export_request(engine: LLMEngine, request_id: str) -> tuple[RequestSnapshot,
     engine._group_of.pop(request_id, None)
     engine._rngs.pop(request_id, None)
     engine.structured.remove(request_id)
+    if engine.speculator is not None:
+        engine.speculator.remove(request_id)
     engine.num_handed_off += 1
     return snap, segments
 

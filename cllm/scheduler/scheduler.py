@@ -144,30 +144,47 @@ class Scheduler:
         budget bounds (issue 8: a high-priority or recomputing prefill used to skip every decode
         ranked after it for as many steps as its prompt had chunks)."""
         self.running.sort(key=self.waiting.sort_key)
-        decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
-        prefilling = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        decoding: list[Request] = []
+        prefilling: list[Request] = []
+        for r in self.running:
+            left = len(r.prompt_token_ids) + len(r.output_token_ids) - r.num_computed_tokens
+            (decoding if left == 1 else prefilling).append(r)
         # While anyone decodes, prompts get at most one bounded chunk per step (the decodes' wait);
         # with nobody decoding (a burst of arrivals) they may fill the whole budget, as llama-server
         # fills its n_batch, since no one waits on them.
         prefill_left = self._prefill_while_decoding(len(decoding)) if decoding else self.token_budget
-        for group in (decoding, prefilling):
-            for req in group:
-                budget = self.token_budget - out.num_tokens
-                if budget <= 0:
-                    return 0
-                if req.status is not RequestStatus.RUNNING:
-                    continue  # preempted as a victim earlier this step
-                n = _scored_cap(req, min(req.num_tokens - req.num_computed_tokens, budget))
-                if group is prefilling:
-                    if prefill_left <= 0:
-                        break
-                    n = min(n, prefill_left)
-                if not self._reserve_or_preempt(req, req.num_computed_tokens + n, out):
-                    break  # req itself was preempted: the rest of its group, ranked lower, already was
-                out.add(self._chunk(req, n))
-                if group is prefilling:
-                    prefill_left -= n
+        if not self._schedule_decodes(out, decoding):
+            return 0
+        for req in prefilling:
+            budget = self.token_budget - out.num_tokens
+            if budget <= 0:
+                return 0
+            if req.status is not RequestStatus.RUNNING:
+                continue  # preempted as a victim earlier this step
+            if prefill_left <= 0:
+                break
+            n = min(_scored_cap(req, min(req.num_tokens - req.num_computed_tokens, budget)), prefill_left)
+            if not self._reserve_or_preempt(req, req.num_computed_tokens + n, out):
+                break  # req itself was preempted: the rest, ranked lower, already was
+            out.add(self._chunk(req, n))
+            prefill_left -= n
         return min(self.token_budget - out.num_tokens, prefill_left)
+
+    def _schedule_decodes(self, out: SchedulerOutput, decoding: list[Request]) -> bool:
+        """One token each for the decoding sequences, in rank order; False once the token budget is spent.
+        (The hot path at hundreds of sequences: no per-request chunk-size arithmetic. A decode samples
+        unless it only scores its prompt: max_tokens 0.)"""
+        budget = self.token_budget
+        for req in decoding:
+            if out.num_tokens >= budget:
+                return False
+            if req.status is not RequestStatus.RUNNING:
+                continue  # preempted as a victim earlier this step
+            start = req.num_computed_tokens
+            if not self._reserve_or_preempt(req, start + 1, out):
+                break  # req itself was preempted: the rest, ranked lower, already was
+            out.add(ScheduledChunk(req, start, 1, req.max_tokens > 0))
+        return out.num_tokens < budget
 
     def _prefill_while_decoding(self, num_decoding: int) -> int:
         """Prompt tokens a step may carry beside ``num_decoding`` decodes: max_prefill_chunk, and
@@ -339,10 +356,11 @@ class Scheduler:
         """The status ``token`` (just appended) ends the request with: a stop token (after min_tokens), or
         max_tokens reached; None while it runs on."""
         p = req.params
-        if req.num_output_tokens >= p.min_tokens:
+        produced = len(req.output_token_ids)
+        if produced >= p.min_tokens:
             if token in p.stop_token_ids or (not p.ignore_eos and token in req.eos_token_ids):
                 return RequestStatus.FINISHED_STOPPED
-        if req.num_output_tokens >= req.max_tokens:
+        if produced >= req.max_tokens:
             return RequestStatus.FINISHED_LENGTH
         return None
 
