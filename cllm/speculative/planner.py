@@ -2,12 +2,14 @@
 
 A draft token at depth j of a sequence whose drafts are accepted with probability a adds a^j
 expected output tokens (it counts only if every token before it is accepted) and makes the step one
-token longer. Adding it pays when it raises the step's expected tokens per second:
-(E + a^j) / (T + dT) > E / T, i.e. a^j * T > dT * E, with E the tokens the step emits for sure (one
-per sampling sequence) plus the gains taken so far, T the step's expected seconds and dT what one
-more token costs (``StepCost``). Gains fall with depth, so taking the best one first (a heap) and
-stopping at the first that does not pay is the optimum of this model. On a busy batch (E large and
-dT close to T / tokens) nothing pays and no sequence speculates.
+token longer. Gains fall with depth, so the best plan of m draft tokens takes the m largest gains (a
+heap yields them in order). The plan chosen is the m that maximises the step's expected tokens per
+second, (E + gains) / T(tokens + m), with E the tokens the step emits for sure (one per sampling
+sequence) and T the measured step cost (``StepCost``), plus a draft model's decode step per depth.
+Every m is compared, not only the next one, because a step's cost can jump (on CUDA a pure decode
+step replays a graph and a step with drafts runs eagerly: the first draft token is expensive, the
+next ones nearly free). On a busy batch (E large, T growing with every token) m = 0 wins: no
+sequence speculates.
 """
 from __future__ import annotations
 
@@ -19,6 +21,8 @@ from cllm.speculative.step_cost import StepCost
 # While the step cost is not yet measured at two token counts, each sequence verifies at most this
 # many draft tokens, so that a measurement of a longer step comes.
 EXPLORE_TOKENS = 4
+MIN_GAIN = 0.02  # a draft token expected to add less than this is never planned
+MAX_PLANNED = 512  # draft tokens a plan weighs at most (bounds the planning time of a large batch)
 
 
 @dataclass(slots=True)
@@ -41,21 +45,23 @@ def plan(candidates: list[Candidate], base_tokens: int, num_sampled: int, cost: 
             c.take = min(c.limit, EXPLORE_TOKENS, budget)
             budget -= c.take
         return
-    # ``forward``: the target's step alone (cost.seconds of its token count); ``seconds`` adds the draft
-    # model's decode steps (depth_seconds per depth), which the next token's forward cost must not absorb.
-    tokens, expected, depth, forward = base_tokens, float(num_sampled), 0, seconds
+    expected, depth, depth_total = float(num_sampled), 0, 0.0
+    best_rate, best_m = expected / seconds, 0
+    taken: list[tuple[int, int]] = []  # (candidate, depth) in the order of falling gains
     heap = [(-c.acceptance, i, 1) for i, c in enumerate(candidates) if c.limit > 0 and c.acceptance > 0]
     heapq.heapify(heap)
-    while heap and budget > 0:
-        gain, i, j = -heap[0][0], heap[0][1], heap[0][2]
-        longer = cost.seconds(tokens + 1)
-        longer = forward if longer is None else longer
-        extra = longer - forward + (depth_seconds if j > depth else 0.0)
-        if gain * seconds <= extra * expected:
-            return
-        heapq.heappop(heap)
-        c = candidates[i]
-        c.take, tokens, seconds, expected, depth, budget = j, tokens + 1, seconds + extra, expected + gain, max(depth, j), budget - 1
-        forward = longer
-        if j < c.limit:
-            heapq.heappush(heap, (-gain * c.acceptance, i, j + 1))
+    while heap and len(taken) < min(budget, MAX_PLANNED):
+        neg_gain, i, j = heapq.heappop(heap)
+        if -neg_gain < MIN_GAIN:
+            break
+        taken.append((i, j))
+        expected -= neg_gain
+        if j > depth:
+            depth, depth_total = j, depth_total + depth_seconds
+        rate = expected / ((cost.seconds(base_tokens + len(taken)) or seconds) + depth_total)
+        if rate > best_rate:
+            best_rate, best_m = rate, len(taken)
+        if j < candidates[i].limit:
+            heapq.heappush(heap, (neg_gain * candidates[i].acceptance, i, j + 1))
+    for i, j in taken[:best_m]:
+        candidates[i].take = j

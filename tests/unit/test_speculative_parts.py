@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 import cllm
 from cllm.engine.llm_engine import LLMEngine
 from cllm.speculative.ngram import NgramIndex
-from cllm.speculative.planner import EXPLORE_TOKENS, Candidate, plan
+from cllm.speculative.planner import MIN_GAIN, EXPLORE_TOKENS, Candidate, plan
 from cllm.speculative.step_cost import StepCost
 from tests.unit.fakes import FakeBackend, fake_config, run_all
 
@@ -97,10 +97,19 @@ def test_step_cost_interpolates_and_extends_with_the_last_slope():
     assert cost.seconds(10) == pytest.approx(0.028)  # between 4 and 16: 2 ms per token
     assert cost.seconds(32) == pytest.approx(0.072)  # past 16: the last slope goes on
     assert cost.seconds(0) == pytest.approx(0.008)  # before 1: the first slope, never below 0
-    # A bucket's point is a moving average of its steps' token counts and seconds.
+    # A bucket's point follows its recent steps.
     for _ in range(200):
         cost.observe(5, 0.020)
     assert cost.seconds(5) == pytest.approx(0.020, rel=1e-6)
+
+
+def test_step_cost_one_slow_step_does_not_set_the_cost():
+    # The first step of a shape can include one-off work (llama.cpp allocating compute buffers: 2 s
+    # against 12 ms); it must not make speculation look expensive for the steps after it.
+    cost = StepCost()
+    for n, seconds in [(1, 0.012)] * 5 + [(4, 2.0)] + [(4, 0.015)] * 6:
+        cost.observe(n, seconds)
+    assert cost.seconds(4) == pytest.approx(0.015)
 
 
 def test_step_cost_is_monotone_under_noisy_timings():
@@ -177,15 +186,32 @@ def expected_rate(takes: Sequence[int], accept: Sequence[float], base: int, samp
 
 @pytest.mark.parametrize("depth_seconds", [0.0, 0.004])
 def test_plan_single_sequence_is_the_best_draft_length_of_its_model(depth_seconds):
-    """For one sequence the marginal rule finds the draft length with the highest expected tokens per
-    second, where a draft model costs ``depth_seconds`` per depth (each depth is one draft decode)."""
+    """For one sequence the plan is the draft length with the highest expected tokens per second, where a
+    draft model costs ``depth_seconds`` per depth (each depth is one draft decode) -- up to the draft
+    tokens whose gain is below MIN_GAIN, which the planner never weighs: within that, the best rate."""
     cost = linear_cost(1e-6, fixed=0.010)
     for acceptance in (0.5, 0.8, 0.9, 0.98):
         cand = [Candidate(acceptance=acceptance, limit=24)]
         plan(cand, base_tokens=1, num_sampled=1, cost=cost, budget=100, depth_seconds=depth_seconds)
+        weighed = [t for t in range(25) if t == 0 or acceptance ** t >= MIN_GAIN]
         rates = [expected_rate([t], [acceptance], 1, 1, cost, depth_seconds) for t in range(25)]
-        best = max(range(25), key=rates.__getitem__)
+        best = max(weighed, key=rates.__getitem__)
         assert cand[0].take == best, (acceptance, cand[0].take, best, rates[cand[0].take], rates[best])
+        assert rates[cand[0].take] >= 0.97 * max(rates)  # what the gains below MIN_GAIN would have added
+
+
+def test_plan_finds_a_draft_length_that_pays_after_a_cost_jump():
+    """A step cost that jumps at the first extra token (CUDA: a pure decode replays a graph, a step with
+    drafts runs eagerly) and is flat after it: one draft token does not pay, eight do at acceptance 0.9;
+    at 0.3 none pays."""
+    class Jump:
+        def seconds(self, tokens: int) -> float:
+            return 0.002 if tokens <= 1 else 0.006
+
+    for acceptance, pays in ((0.9, True), (0.3, False)):
+        cand = [Candidate(acceptance=acceptance, limit=16)]
+        plan(cand, base_tokens=1, num_sampled=1, cost=Jump(), budget=100)
+        assert (cand[0].take > 1) is pays, (acceptance, cand[0].take)
 
 
 def test_plan_respects_the_budget_and_limits():
