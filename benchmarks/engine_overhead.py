@@ -21,6 +21,15 @@ what is measured here is the Python around them.
 
 Targets (issue 28, 2-core machine): engine <= 1.5 ms per step at 256 sequences, server <= 40 µs of
 CPU per streamed token.
+
+With ``--step-ms MS`` it is instead a CPU proxy of a GPU server: every forward waits MS (plus
+``--token-us`` per token) with the GIL released, as a CUDA step does, and at each level it reports
+the served output tok/s (closed-loop streams, greedy) against the engine's own (``LLMEngine.step``
+over the same prompts, no server) at the same simulated step: the served/engine ratio is what a GPU
+server keeps of its engine. Pick MS so that the engine-bound rate leaves the 2 cores room for the
+clients (5-10 ms), e.g.
+
+    .venv/bin/python benchmarks/engine_overhead.py --step-ms 8 --tokens 128 --rounds 3
 """
 from __future__ import annotations
 
@@ -34,6 +43,11 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+try:
+    import uvloop
+except ImportError:
+    uvloop = None
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -78,7 +92,16 @@ def _free_port() -> int:
 
 def _thread_cpu(pid: int) -> dict[str, float]:
     """CPU seconds of ``pid``'s threads by role: the engine thread (it names itself cllm-engine), the
-    event loop (the main thread) and the rest (tokeniser threads, uvicorn's)."""
+    event loop (the main thread) and the rest (tokeniser threads, uvicorn's); and of its child
+    processes (the engine core's process, server.engine_process=on) as ``engine_core``."""
+    out = _process_cpu(pid)
+    for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split():
+        for seconds in _process_cpu(int(child)).values():
+            out["engine_core"] = out.get("engine_core", 0.0) + seconds
+    return out
+
+
+def _process_cpu(pid: int) -> dict[str, float]:
     out: dict[str, float] = {}
     for task in Path(f"/proc/{pid}/task").iterdir():
         try:
@@ -116,11 +139,13 @@ def _client(port: int, streams: int, repeats: int, body: bytes, results: "mp.Que
 
     async def run() -> int:
         return sum(await asyncio.gather(*(closed_loop() for _ in range(streams))))
-    results.put(asyncio.run(run()))
+    # uvloop where installed: about half the client CPU of asyncio's loop (the 2 cores are shared with the server)
+    results.put(uvloop.run(run()) if uvloop is not None else asyncio.run(run()))
 
 
 def server_us_per_token(port: int, pid: int, batch: int, mode: str, args: argparse.Namespace) -> dict[str, float]:
-    """Server CPU µs per streamed token with ``batch`` concurrent streams, in total and by thread."""
+    """Server CPU µs per streamed token with ``batch`` concurrent streams, in total and by thread;
+    and the streamed tokens and output tok/s (wall)."""
     body = json.dumps({"prompt": [300 + j % 500 for j in range(args.prompt_len)], "max_tokens": args.tokens,
                        "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True},
                        **MODES[mode]}).encode()
@@ -128,11 +153,12 @@ def server_us_per_token(port: int, pid: int, batch: int, mode: str, args: argpar
     per = [batch // procs_n + (1 if i < batch % procs_n else 0) for i in range(procs_n)]
     results: mp.Queue[int] = mp.Queue()
     before = _thread_cpu(pid)
-    repeats = max(1, -(-args.min_tokens // (batch * args.tokens)))  # enough tokens for the CPU clock's 10 ms ticks
-    procs = [mp.Process(target=_client, args=(port, n, repeats, body, results)) for n in per]
+    procs = [mp.Process(target=_client, args=(port, n, _rounds(batch, args), body, results)) for n in per]
+    t0 = time.perf_counter()
     for p in procs:
         p.start()
     tokens = sum(results.get(timeout=600) for _ in procs)
+    wall = time.perf_counter() - t0
     for p in procs:
         p.join()
     after = _thread_cpu(pid)
@@ -143,13 +169,64 @@ def server_us_per_token(port: int, pid: int, batch: int, mode: str, args: argpar
             split[role] = used * 1e6 / tokens
     split["total"] = sum(split.values())
     split["tokens"] = tokens
+    split["tok_s"] = tokens / wall
     return split
+
+
+def _rounds(batch: int, args: argparse.Namespace) -> int:
+    """Requests each closed-loop stream sends: ``--rounds``, else enough tokens for the CPU clock's 10 ms ticks."""
+    return args.rounds or max(1, -(-args.min_tokens // (batch * args.tokens)))
+
+
+# ------------------------------------------------------------------------------ GPU proxy (--step-ms)
+def engine_tok_s(batch: int, args: argparse.Namespace) -> float:
+    """Output tok/s of the engine alone at the simulated step: the same rounds of ``batch`` greedy
+    prompts as the served streams, each round added at once and stepped to the end (LLM.generate's loop)."""
+    backend = NullBackend(slots=batch, vocab_size=args.vocab, device=args.device, step_ms=args.step_ms,
+                          token_us=args.token_us)
+    engine = LLMEngine(load_config(None, environ={}, n_seq_max=batch, max_waiting=4096), backend=backend)
+    params = cllm.SamplingParams(max_tokens=args.tokens, ignore_eos=True, **MODES["greedy"])
+    rounds = _rounds(batch, args)
+    t0 = time.perf_counter()
+    for _ in range(rounds):
+        for _ in range(batch):
+            engine.add_request([300 + j % 500 for j in range(args.prompt_len)], params)
+        while engine.has_unfinished():
+            engine.step()
+    wall = time.perf_counter() - t0
+    engine.close()
+    return rounds * batch * args.tokens / wall  # ignore_eos: every request runs to max_tokens
+
+
+def gpu_proxy(args: argparse.Namespace) -> dict[str, dict[str, float]]:
+    """{level: engine tok/s, served tok/s, ratio, server µs/token} at the simulated step time."""
+    out: dict[str, dict[str, float]] = {}
+    proc, port = start_null_server(args, max(args.levels))
+    try:
+        for b in args.levels:
+            served = server_us_per_token(port, proc.pid, b, "greedy", args)
+            engine = engine_tok_s(b, args)
+            out[str(b)] = {"engine_tok_s": round(engine, 1), "served_tok_s": round(served["tok_s"], 1),
+                           "ratio": round(served["tok_s"] / engine, 3), "server_us_per_token": round(served["total"], 1),
+                           "engine_thread_us": round(served.get("engine", 0), 1),
+                           "event_loop_us": round(served.get("event_loop", 0), 1),
+                           "engine_core_us": round(served.get("engine_core", 0), 1)}
+            r = out[str(b)]
+            print(f"proxy step {args.step_ms:g} ms  B={b:<4d} engine {r['engine_tok_s']:9,.0f} tok/s  served "
+                  f"{r['served_tok_s']:9,.0f} tok/s  = {100 * r['ratio']:.0f} %   (server CPU {r['server_us_per_token']:.1f} "
+                  f"µs/token: engine thread {r['engine_thread_us']:.1f}, event loop {r['event_loop_us']:.1f}, engine process "
+                  f"{r['engine_core_us']:.1f})", flush=True)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    return out
 
 
 def start_null_server(args: argparse.Namespace, slots: int) -> tuple[subprocess.Popen, int]:
     port = _free_port()
     proc = subprocess.Popen([sys.executable, "-m", "cllm.bench.null_server", "--port", str(port), "--slots", str(slots),
-                             "--vocab", str(args.vocab), "--device", args.device], cwd=ROOT)
+                             "--vocab", str(args.vocab), "--device", args.device, "--step-ms", str(args.step_ms),
+                             "--token-us", str(args.token_us), *(f"--set={kv}" for kv in args.set)], cwd=ROOT)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         try:
@@ -176,12 +253,22 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=256, help="max_tokens of each streamed request")
     parser.add_argument("--client-procs", type=int, default=2)
     parser.add_argument("--min-tokens", type=int, default=32768, help="tokens streamed per level at least (closed loops)")
+    parser.add_argument("--rounds", type=int, default=0, help="requests per closed-loop stream (0: from --min-tokens)")
+    parser.add_argument("--step-ms", type=float, default=0.0,
+                        help="GPU proxy: simulated device ms per forward (GIL released); reports served vs engine tok/s")
+    parser.add_argument("--token-us", type=float, default=0.0, help="GPU proxy: simulated device µs per token of a forward")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="the null server's config override")
     parser.add_argument("--skip-server", action="store_true")
     parser.add_argument("--json", type=Path, help="write the results here")
     args = parser.parse_args()
 
     result: dict[str, dict] = {"engine_ms_per_step": {}, "server_us_per_token": {}, "by_mode": {},
                                "settings": {k: str(v) for k, v in vars(args).items()}}
+    if args.step_ms > 0:
+        result["gpu_proxy"] = gpu_proxy(args)
+        if args.json:
+            args.json.write_text(json.dumps(result, indent=1))
+        return
     for mode in args.modes:
         eng = {str(b): round(engine_ms_per_step(b, mode, args), 4) for b in args.levels}
         result["by_mode"].setdefault(mode, {})["engine_ms_per_step"] = eng

@@ -7,7 +7,8 @@ tokens/s at 1, 64 and 256 concurrent sequences three ways:
 1. raw forward: a ``TorchBackend`` alone, greedy decode steps with the pick on the device
    (``benchmarks/gpu_decode.py``'s loop);
 2. engine: ``cllm.LLM(backend="torch").generate`` of 64 / 256 prompts, after one warm call;
-3. server: ``cllm serve --backend torch`` on its defaults, streamed ``/v1/completions`` (``ignore_eos``,
+3. server: ``cllm serve --backend torch`` on its defaults (on CUDA: the engine core in a process of its
+   own, server.engine_process auto; ``--smoke`` on the CPU forces it on, so the same path runs), streamed ``/v1/completions`` (``ignore_eos``,
    ~150-token prompts, greedy) from ``--client-procs`` client processes (raw asyncio sockets), closed
    loops of 1 / 64 / 256 streams; tokens counted from ``usage``.
 
@@ -196,7 +197,8 @@ def serve(model_dir: Path, args: argparse.Namespace) -> dict:
     try:
         _wait_ready(port, proc, 300)
         ready_s = time.perf_counter() - t0
-        out = {"ready_s": ready_s}
+        out = {"ready_s": ready_s, "engine": _ready_line(args.workdir / "server.log", "engine    :")}
+        print(f"server ready: engine in {out['engine']}", flush=True)
         top = LEVELS[-1]
         out["first_burst"] = drive(port, top, 1, 64, args)
         out[LEVELS[0]] = drive(port, LEVELS[0], 3, args.itl_tokens, args)
@@ -213,6 +215,14 @@ def serve(model_dir: Path, args: argparse.Namespace) -> dict:
         except subprocess.TimeoutExpired:
             proc.kill()
         log.close()
+
+
+def _ready_line(log: Path, label: str) -> str:
+    """What the server's ready block says after ``label`` (e.g. where its engine runs)."""
+    for line in log.read_text(errors="replace").splitlines():
+        if line.strip().startswith(label.strip()):
+            return line.split(":", 1)[1].strip()
+    return "?"
 
 
 def _free_port() -> int:
@@ -253,7 +263,8 @@ def report(raw: dict, engine: dict, server: dict) -> str:
         lines.append(f"{b} streams: TTFT p50 {s['ttft_p50_ms']:.0f} ms, chunk gap p50 {s['gap_p50_ms']:.2f} / p99 {s['gap_p99_ms']:.2f} ms")
     first, warm = server["first_burst"], server["warm_burst"]
     lines.append(f"{LEVELS[-1]}-stream burst TTFT p50: first {first['ttft_p50_ms']:.0f} ms, warmed {warm['ttft_p50_ms']:.0f} ms "
-                 f"(ratio {first['ttft_p50_ms'] / warm['ttft_p50_ms']:.2f}); server ready in {server['ready_s']:.0f} s")
+                 f"(ratio {first['ttft_p50_ms'] / warm['ttft_p50_ms']:.2f}); server ready in {server['ready_s']:.0f} s, engine in "
+                 f"{server['engine']}")
     runs = [first, *(server[b] for b in LEVELS), warm]
     lines.append(f"requests: {sum(r['requests'] for r in runs)}, failed: {sum(r['failed'] for r in runs)}")
     for r in runs:
@@ -282,6 +293,7 @@ def main() -> None:
     if args.smoke:
         LEVELS = (1, 4, 8)
         args.device, args.tokens, args.itl_tokens, args.raw_steps, args.client_procs = "cpu", 16, 16, 8, 2
+        args.serve_args = ["--set", "engine_process=on", *args.serve_args]  # auto is off on the CPU
         SHAPES["llama-3.2-1b"] = SMOKE_SHAPE
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:

@@ -126,6 +126,13 @@ class ServerConfig(_Section):
     responses_store_size: int = Field(1024, ge=0, le=1 << 20, description="most past /v1/responses results kept in memory (store: true) for previous_response_id and GET/DELETE /v1/responses/{id}; the least recently used goes first; 0 = store nothing")
     responses_store_mib: int = Field(256, ge=1, le=1 << 20, description="most memory (MiB of JSON) the stored responses may take; the least recently used go first")
     responses_store_ttl_s: float = Field(3600.0, gt=0, description="a stored response is forgotten this many seconds after it was stored")
+    engine_process: Literal["auto", "on", "off"] = Field("auto", description="run the engine core in a process of its own, so the server's event loop never shares a GIL with it: auto = on for the torch backend on CUDA (few-ms steps, where sharing it cost the server over half its throughput), off otherwise (llama.cpp, CPU: long steps, one copy of the model in one process)")
+
+    @field_validator("engine_process", mode="before")
+    @classmethod
+    def _engine_process_word(cls, value: object) -> object:
+        # YAML 1.1 reads on / off as booleans (engine_process: on in config.yaml, --set engine_process=on)
+        return ("on" if value else "off") if isinstance(value, bool) else value
 
     @field_validator("served_model_name", mode="before")
     @classmethod

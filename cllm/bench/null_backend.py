@@ -13,9 +13,16 @@ by the torch sampler). Returned rows are views of the table, never copies
 (a real forward allocates its output on the device for free as far as the host
 is concerned). The table favours a token that is neither EOS nor the start of a
 stop string, so greedy streams run to ``max_tokens``.
+
+``step_ms`` (with ``token_us`` per token of the batch) simulates a device's step: the forward waits
+that long with the GIL released, split over ``syncs`` waits, as a CUDA backend releases the GIL in
+each of its synchronizations (the torch backend waits twice a step: for the staged inputs and for
+the sampled ids). It makes a CPU-only proxy of a GPU server: the engine's Python and the event
+loop then compete for the GIL around each wait exactly as they do around a CUDA sync.
 """
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -66,7 +73,8 @@ class WordTokenizer(Tokenizer):
 
 
 class NullBackend(Backend):
-    """``NullBackend(slots=256, vocab_size=1024, max_batch_tokens=8192, kv_tokens=4M, device="numpy", word_bytes=0)``."""
+    """``NullBackend(slots=256, vocab_size=1024, max_batch_tokens=8192, kv_tokens=4M, device="numpy", word_bytes=0,
+    step_ms=0.0, token_us=0.0, syncs=2)``."""
 
     name = "null"
     supports_prefix_cache = False
@@ -75,9 +83,14 @@ class NullBackend(Backend):
 
     def __init__(self, *, slots: int = 256, vocab_size: int = 1024, max_batch_tokens: int = 8192,
                  max_model_len: int = 32768, kv_tokens: int = 1 << 22, device: str = "numpy", seed: int = 0,
-                 word_bytes: int = 0) -> None:
+                 word_bytes: int = 0, step_ms: float = 0.0, token_us: float = 0.0, syncs: int = 2) -> None:
         if device not in ("numpy", "torch"):
             raise ValueError(f"device must be 'numpy' or 'torch', got {device!r}")
+        if step_ms < 0 or token_us < 0 or syncs < 1:
+            raise ValueError(f"step_ms={step_ms}, token_us={token_us}, syncs={syncs}: need step_ms, token_us >= 0 and syncs >= 1")
+        self._step_s = step_ms / 1000
+        self._token_s = token_us / 1e6
+        self._syncs = syncs
         self._cap = BackendCapacity(slots, max_batch_tokens, max_model_len, kv_tokens)
         self._tok = WordTokenizer(vocab_size, word_bytes)
         self._held: dict[str, int] = {}  # sequence -> KV tokens reserved
@@ -125,11 +138,19 @@ class NullBackend(Backend):
             if sid not in self._computed:
                 raise BackendError(f"sequence {sid!r} was not admitted", [sid])
             self._computed[sid] += n
+        self._device_wait(len(flat_ids))
         wanted = len(counts) if logits_for is None else len(logits_for)
         rows = wanted + sum(counts[s] for s in all_logits_for)
         if rows > len(self._table):
             return self._table[np.arange(rows) % len(self._table)]
         return self._table[:rows]
+
+    def _device_wait(self, num_tokens: int) -> None:
+        """The simulated device step: sleeping releases the GIL and takes it back, as a CUDA sync does."""
+        wait = self._step_s + self._token_s * num_tokens
+        if wait > 0:
+            for _ in range(self._syncs):
+                time.sleep(wait / self._syncs)
 
     def release(self, sequence_id: str, *, keep_cache: bool = True) -> None:
         self._held.pop(sequence_id, None)

@@ -3,16 +3,18 @@ pass that costs nothing. Used by benchmarks/engine_overhead.py and by tests that
 faster than any socket (stalled readers).
 
     python -m cllm.bench.null_server --port 8123 --slots 256 --vocab 1024 [--device numpy|torch] [--word-bytes N]
-                                     [--set KEY=VALUE ...]
+                                     [--step-ms MS [--token-us US]] [--set KEY=VALUE ...]
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import socket
 
 from cllm.bench.null_backend import NullBackend
 from cllm.config import load_config
 from cllm.engine.async_llm import AsyncLLM
+from cllm.engine.process_engine import ProcessEngine, wants_engine_process
 from cllm.server.app import _DrainingServer, configure_logging, create_app, uvicorn_config
 
 
@@ -23,6 +25,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--vocab", type=int, default=1024)
     parser.add_argument("--device", choices=("numpy", "torch"), default="numpy")
     parser.add_argument("--word-bytes", type=int, default=0, help="pad each token's text to this many bytes")
+    parser.add_argument("--step-ms", type=float, default=0.0,
+                        help="simulated device time of each forward, GIL released (a GPU server's proxy; see NullBackend)")
+    parser.add_argument("--token-us", type=float, default=0.0, help="simulated device time per token of each forward")
     parser.add_argument("--sndbuf", type=int, default=0,
                         help="kernel send buffer of each connection, bytes (0: the kernel's autotuned default); small "
                              "makes a client that stops reading block the server's writes at once")
@@ -34,8 +39,10 @@ def main(argv: list[str] | None = None) -> None:
         key, _, value = item.partition("=")
         overrides[key] = value
     config = load_config(None, environ={}, **overrides)
-    backend = NullBackend(slots=args.slots, vocab_size=args.vocab, device=args.device, word_bytes=args.word_bytes)
-    engine = AsyncLLM(backend=backend, config=config)
+    backend = functools.partial(NullBackend, slots=args.slots, vocab_size=args.vocab, device=args.device,
+                                word_bytes=args.word_bytes, step_ms=args.step_ms, token_us=args.token_us)
+    # server.engine_process=on runs it as the engine core of a GPU server does (auto is off: not torch on CUDA)
+    engine = ProcessEngine(config, backend) if wants_engine_process(config) else AsyncLLM(backend=backend(), config=config)
     configure_logging(config.server.log_level)
     app = create_app(config, engine)
     server = _DrainingServer(uvicorn_config(app, config), app.state.cllm)  # SIGTERM drains and exits 0, as cllm serve

@@ -151,8 +151,7 @@ class AsyncLLM:
 
     @property
     def model_name(self) -> str:
-        path = getattr(self.engine.backend, "model_path", None) or resolve_model_path(self.config.model.model)
-        return Path(path).stem if Path(path).suffix == ".gguf" else Path(path).name
+        return model_name_of(self.engine)
 
     @property
     def is_running(self) -> bool:
@@ -517,18 +516,7 @@ class AsyncLLM:
 
     @staticmethod
     async def _next_output(stream: _Stream) -> RequestOutput:
-        """The next output, merged with any others already queued (deltas concatenated)."""
-        if stream.error is not None:
-            raise stream.error
-        item = await stream.queue.get()
-        items = [item]
-        while not stream.queue.empty() and not isinstance(items[-1], BaseException):
-            items.append(stream.queue.get_nowait())
-        if isinstance(items[-1], BaseException):
-            if len(items) == 1:
-                raise items[0]
-            stream.error = items.pop()  # outputs that came first are handed out first (a hand-off's last tokens)
-        return _merge(items)
+        return await next_merged_output(stream)
 
     # ------------------------------------------------------------- hand-off
     async def export_request(self, request_id: str) -> tuple[RequestSnapshot, list[bytes]]:
@@ -651,6 +639,29 @@ class AsyncLLM:
         self._stopping = True
         self._wake.set()
         self._thread.join(timeout=self._join_timeout_s)
+
+
+def model_name_of(engine: LLMEngine) -> str:
+    """The served model's default name: the weights file's stem, or the model directory's name."""
+    path = getattr(engine.backend, "model_path", None) or resolve_model_path(engine.config.model.model)
+    return Path(path).stem if Path(path).suffix == ".gguf" else Path(path).name
+
+
+async def next_merged_output(stream: Any) -> RequestOutput:
+    """A stream's next output, merged with any others already queued (deltas concatenated); raises the
+    exception queued for it once the outputs before it are out. ``stream``: its ``queue`` of outputs
+    and exceptions, and ``error``, the exception held back meanwhile."""
+    if stream.error is not None:
+        raise stream.error
+    item = await stream.queue.get()
+    items = [item]
+    while not stream.queue.empty() and not isinstance(items[-1], BaseException):
+        items.append(stream.queue.get_nowait())
+    if isinstance(items[-1], BaseException):
+        if len(items) == 1:
+            raise items[0]
+        stream.error = items.pop()  # outputs that came first are handed out first (a hand-off's last tokens)
+    return _merge(items)
 
 
 def _name_os_thread(name: str) -> None:

@@ -27,10 +27,12 @@ log = logging.getLogger("cllm.server")
 
 
 def _construct_engine(config: CllmConfig) -> Any:
+    """The engine in a process of its own where that pays (server.engine_process), else on a thread here."""
     from cllm.engine.async_llm import AsyncLLM  # imported here: it pulls in the backends
+    from cllm.engine.process_engine import ProcessEngine, wants_engine_process
 
     with model_load_phase(config):
-        return AsyncLLM(config=config)
+        return ProcessEngine(config) if wants_engine_process(config) else AsyncLLM(config=config)
 
 
 def _served_names(config: CllmConfig, engine: Any) -> tuple[str, ...]:

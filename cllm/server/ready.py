@@ -21,7 +21,10 @@ def base_url(config: CllmConfig) -> str:
 
 
 def device_text(engine: Any, config: CllmConfig) -> str:
-    """'llama_cpp on CPU, 2 threads' / 'torch on cuda:0, bfloat16' from the backend where it is in-process."""
+    """'llama_cpp on CPU, 2 threads' / 'torch on cuda:0, bfloat16' from the backend where it is in-process
+    (an engine in a process of its own says it itself: ProcessEngine.device_text)."""
+    if isinstance(getattr(engine, "device_text", None), str):
+        return engine.device_text
     backend = getattr(getattr(engine, "engine", None), "backend", None)
     name = getattr(backend, "name", None) or config.model.backend
     if backend is None:
@@ -51,7 +54,7 @@ def ready_lines(config: CllmConfig, engine: Any, model: str, max_model_len: int)
     """The ready block, one line per fact."""
     url = base_url(config)
     backend = getattr(getattr(engine, "engine", None), "backend", None)
-    capacity = getattr(backend, "capacity", None)
+    slots = getattr(getattr(backend, "capacity", None), "max_num_seqs", None) or getattr(engine, "max_num_seqs", None)
     key_note = "  (API key required: Authorization: Bearer <key>; the page asks for it)" if config.server.api_key else ""
     lines = [
         f"cllm is ready: {model}",
@@ -59,9 +62,11 @@ def ready_lines(config: CllmConfig, engine: Any, model: str, max_model_len: int)
         f"  API base  : {url}/v1{key_note}",
         f"  model     : {model}",
         f"  backend   : {device_text(engine, config)}",
+        f"  engine    : {'its own process' if getattr(engine, 'in_own_process', False) else 'a thread of this process'}"
+        f" (engine_process: {config.server.engine_process})",
     ]
-    if capacity is not None:
-        lines.append(f"  slots     : {capacity.max_num_seqs} sequences at once, {max_model_len} tokens of context each")
+    if slots is not None:
+        lines.append(f"  slots     : {slots} sequences at once, {max_model_len} tokens of context each")
     else:
         lines.append(f"  context   : {max_model_len} tokens per sequence")
     lines.append(f"  try       : {curl_line(config, model)}")

@@ -1,0 +1,337 @@
+"""The engine core: an LLMEngine stepping in a process of its own (the child side of process_engine.py).
+
+Why a process: in-process, the engine thread and the server's event loop share one GIL. On a GPU
+the engine releases it at every CUDA synchronisation and must take it back from a loop that is busy
+streaming hundreds of tokens per step; CPython hands it over only after the switch interval (5 ms)
+or when the loop lets go, so each step paid up to 5 ms per synchronisation, and the loop's and the
+engine's Python ran one after the other (engine_overhead.py --step-ms 8 at 256 streams: the forward
+waited 2 ms on average, p90 5.3 ms, to get the GIL back, and the server kept 54 % of the engine's
+tokens/s). Here the core's only other thread is a sender that writes finished messages (the GIL
+released while it writes), so the engine steps at its offline pace and the API process streams on
+its own core.
+
+The loop: run the commands that came in (adds, aborts, embeddings), step, send the step's outputs as
+one message. An idle engine that receives requests first gathers the burst (as AsyncLLM does) so that
+closed-loop clients' next requests are prefilled together. A grammar's cold compile runs in a worker
+thread, never in the loop. When the API process falls behind (its pipe full, messages queued behind
+it), each request's new outputs are merged into one held for it (deltas concatenated, as AsyncLLM's
+outboxes do) and sent once the pipe has room: a busy event loop gets fewer, larger outputs (several
+tokens to one SSE event) instead of a backlog, and the engine keeps stepping.
+"""
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import dataclasses
+import logging
+import queue
+import signal
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+from cllm.backends.base import Backend
+from cllm.config import CllmConfig
+from cllm.engine import async_llm
+from cllm.engine.core_protocol import (
+    AbortRequest, AddRequest, Admitted, CoreFailed, CoreReady, CoreStopped, EmbedDone, EmbedRequest, Snapshot,
+    StepOutputs, StopCore, decode, encode, pack_output, portable_error,
+)
+from cllm.engine.llm_engine import LLMEngine
+from cllm.outputs import RequestOutput, merge_outputs
+
+log = logging.getLogger("cllm.engine")
+COMPILE_POLL_S = 0.005  # how often an idle core looks at grammar compiles in flight
+
+
+@dataclass(slots=True)
+class CoreSpec:
+    """What the child process needs to build its engine (pickled to it)."""
+
+    config: CllmConfig
+    backend_factory: Callable[[], Backend] | None = None  # None: the backend the config names
+
+
+def run_engine_core(spec: CoreSpec, commands: Connection, outputs: Connection) -> None:
+    """The child process's main: build the engine, say ready (or why not), run the loop, exit."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the API process drains us
+    logging.basicConfig(level=spec.config.server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    async_llm._name_os_thread("cllm-core")
+    sender = Sender(outputs)
+    try:
+        engine = LLMEngine(spec.config, backend=spec.backend_factory() if spec.backend_factory else None)
+    except BaseException as err:  # the API process reports it and exits
+        sender.send(CoreFailed(f"{type(err).__name__}: {err}"))
+        sender.close()
+        return
+    sender.send(_ready(engine, spec.config))
+    EngineCore(engine, commands, sender).run()
+
+
+def _ready(engine: LLMEngine, config: CllmConfig) -> CoreReady:
+    from cllm.server.ready import device_text  # the same words as an in-process engine's
+
+    tokenizer: Any = engine.tokenizer
+    try:
+        decode(encode(tokenizer))
+    except Exception:  # a native handle (llama.cpp): the API process loads the vocabulary itself
+        tokenizer = None
+    return CoreReady(tokenizer, engine.max_model_len, async_llm.model_name_of(engine), device_text(_Holder(engine), config),
+                     engine.backend.capacity.max_num_seqs, (engine.stats(), engine.running_requests()))
+
+
+@dataclass(slots=True)
+class _Holder:
+    engine: LLMEngine  # device_text looks for an AsyncLLM's ``engine``
+
+
+class Sender:
+    """Writes messages to the pipe from a thread of its own: the loop only pickles and queues, so a full
+    pipe (the API process busy) never blocks a step, and the thread holds the GIL only to take the next
+    message (``send_bytes`` releases it while it writes)."""
+
+    def __init__(self, conn: Connection) -> None:
+        self._conn = conn
+        self._queue: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+        self.broken = False  # the API process is gone
+        self._thread = threading.Thread(target=self._run, name="cllm-core-send", daemon=True)
+        self._thread.start()
+
+    def send(self, message: object) -> None:
+        self._queue.put(encode(message))
+
+    def backlog(self) -> int:
+        return self._queue.qsize()
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Send what is queued, then stop (bounded: a dead reader must not hold the exit)."""
+        self._queue.put(None)
+        self._thread.join(timeout_s)
+
+    def _run(self) -> None:
+        while (data := self._queue.get()) is not None:
+            try:
+                self._conn.send_bytes(data)
+            except OSError:
+                self.broken = True
+                return
+
+
+class EngineCore:
+    """The loop of the engine process; ``run()`` returns after StopCore, a fatal error, or a lost parent."""
+
+    def __init__(self, engine: LLMEngine, commands: Connection, sender: Sender) -> None:
+        self.engine = engine
+        self._commands = commands
+        self._sender = sender
+        self._stopping = False
+        self._embeds: list[EmbedRequest] = []
+        self._compiling: dict[str, tuple[concurrent.futures.Future, AddRequest]] = {}
+        self._compiler = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="cllm-grammar")
+        # when requests finished whose clients have not sent another since (oldest first; see async_llm's BURST_*)
+        self._owed: collections.deque[float] = collections.deque()
+        self._held: dict[str, RequestOutput] = {}  # outputs not sent yet (the API process is behind), merged
+        self._scored: set[str] = set()  # requests whose prompt logprobs have been sent
+        self._published_at = 0.0
+        self._changed = True  # commands ran or steps ran since the last stats sent
+
+    def run(self) -> None:
+        error: str | None = None
+        try:
+            self._loop()
+        except BaseException as err:  # a bug or a fatal backend error: the API side fails every stream
+            log.exception("engine core died")
+            error = f"{type(err).__name__}: {err}"
+        finally:
+            self._finish(error)
+
+    def _loop(self) -> None:
+        while not self._stopping:
+            was_idle = not self.engine.has_unfinished()
+            taken = self._take_commands(0.0)
+            self._run_embeds()
+            self._admit_compiled()
+            if not self.engine.has_unfinished():
+                self._flush()
+                if self._changed:  # gone idle: no step will carry the stats any more
+                    self._send_snapshot()
+                self._idle()
+                continue
+            if was_idle:
+                self._gather_burst(taken)
+            outputs = self.engine.step()
+            self._changed = True
+            self._owe(sum(1 for out in outputs if out.finished))
+            self._deliver(outputs)
+
+    def _idle(self) -> None:
+        """Housekeeping a unit at a time when no client is expected back (see AsyncLLM._idle_work), else
+        wait for a command."""
+        self._owe(0)
+        if not self._owed and self.engine.idle_work():
+            return
+        self._take_commands(COMPILE_POLL_S if self._compiling else async_llm.IDLE_WAIT_S)
+
+    def _take_commands(self, wait_s: float) -> int:
+        """Run every command that has come (waiting up to ``wait_s`` for the first); how many adds."""
+        adds = 0
+        try:
+            ready = self._commands.poll(wait_s)
+            while ready and not self._stopping:
+                adds += self._run_command(decode(self._commands.recv_bytes()))
+                ready = self._commands.poll()
+        except (EOFError, OSError):  # the API process is gone: nobody to serve
+            self._stopping = True
+        return adds
+
+    def _run_command(self, command: object) -> int:
+        self._changed = True
+        if isinstance(command, AddRequest):
+            if self._owed:  # a client came back
+                self._owed.popleft()
+            if command.params.constraint_key is not None:  # a cold compile takes ms to s: off the loop
+                future = self._compiler.submit(self.engine.structured.compile, command.params)
+                self._compiling[command.request_id] = (future, command)
+            else:
+                self._add(command)
+            return 1
+        if isinstance(command, AbortRequest):
+            self._abort(command.request_id)
+        elif isinstance(command, EmbedRequest):
+            self._embeds.append(command)
+        elif isinstance(command, StopCore):
+            self._stopping = True
+        return 0
+
+    def _add(self, command: AddRequest) -> None:
+        error: BaseException | None = None
+        try:
+            self.engine.add_request(command.prompt, command.params, request_id=command.request_id,
+                                    priority=command.priority, timeout_s=command.timeout_s, prompt_ids=command.prompt_ids)
+        except (ValueError, TypeError, RuntimeError) as err:  # this request's fault or the queue's bound
+            error = portable_error(err)
+        self._sender.send(Admitted(command.request_id, command.params.n, error))
+
+    def _admit_compiled(self) -> None:
+        for rid, (future, command) in list(self._compiling.items()):
+            if not future.done():
+                continue
+            del self._compiling[rid]
+            error = future.exception()
+            if error is not None:
+                self._sender.send(Admitted(rid, command.params.n, portable_error(error)))
+            else:
+                self._add(command)
+
+    def _abort(self, request_id: str) -> None:
+        pending = self._compiling.pop(request_id, None)
+        if pending is not None:  # never reached the engine: answer its add (the caller is gone)
+            self._sender.send(Admitted(request_id, pending[1].params.n, None))
+            return
+        out = self.engine.abort_request(request_id)
+        if out is not None:
+            self._deliver([out])
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        """Merge outputs into those held, then send them all unless the API process is behind."""
+        for out in outputs:
+            prev = self._held.get(out.request_id)
+            self._held[out.request_id] = out if prev is None else merge_outputs(prev, out)
+        if self._sender.backlog() == 0:
+            self._flush()
+
+    def _flush(self) -> None:
+        if self._held:
+            self._sender.send(StepOutputs([self._pack(out) for out in self._held.values()], self._snapshot_if_due()))
+            self._held.clear()
+
+    def _pack(self, out: RequestOutput) -> tuple:
+        """pack_output, with a request's prompt logprobs sent once (the API side keeps them): the engine
+        hands the complete list on every output after it is scored."""
+        if out.prompt_logprobs is not None:
+            if out.request_id in self._scored:
+                out = dataclasses.replace(out, prompt_logprobs=None)
+            else:
+                self._scored.add(out.request_id)
+        if out.finished:
+            self._scored.discard(out.request_id)
+        return pack_output(out)
+
+    def _run_embeds(self) -> None:
+        """Every queued embed call in one backend pass (see AsyncLLM._run_embed_jobs); bad input fails its call only."""
+        jobs, self._embeds = self._embeds, []
+        valid: list[tuple[EmbedRequest, list[list[int]]]] = []
+        for job in jobs:
+            try:
+                valid.append((job, self.engine.embedding_token_ids(job.inputs)))
+            except (ValueError, TypeError) as err:
+                self._sender.send(EmbedDone(job.job_id, err))
+        if not valid:
+            return
+        try:
+            outputs = self.engine.embed_token_ids([ids for _, token_ids in valid for ids in token_ids])
+        except Exception as err:  # a backend failure fails these calls; the engine lives on
+            for job, _ in valid:
+                self._sender.send(EmbedDone(job.job_id, portable_error(err)))
+            return
+        start = 0
+        for job, token_ids in valid:
+            self._sender.send(EmbedDone(job.job_id, outputs[start:start + len(token_ids)]))
+            start += len(token_ids)
+
+    def _gather_burst(self, taken: int) -> None:
+        """Take in requests still arriving before the first step (AsyncLLM._gather_burst's windows): until
+        the pipe has been quiet for BURST_EXPECT_QUIET_S while clients are owed or two or more came in
+        at once, else BURST_QUIET_S; for at most BURST_(EXPECT_)MAX_WAIT_S."""
+        self._owe(0)
+        expected = bool(self._owed)
+        now = time.monotonic()
+        deadline = now + (async_llm.BURST_EXPECT_MAX_WAIT_S if expected else async_llm.BURST_MAX_WAIT_S)
+        quiet_since = now
+        while not self._stopping and now < deadline:
+            long_window = self._owed or (not expected and taken >= 2)
+            window = async_llm.BURST_EXPECT_QUIET_S if long_window else async_llm.BURST_QUIET_S
+            came = self._take_commands(max(0.0, min(quiet_since + window, deadline) - now))
+            taken += came
+            now = time.monotonic()
+            if came:
+                quiet_since = now
+            elif now - quiet_since >= window:
+                break
+        self._admit_compiled()
+
+    def _owe(self, finished: int) -> None:
+        now = time.monotonic()
+        self._owed.extend([now] * finished)
+        while self._owed and self._owed[0] < now - async_llm.BURST_EXPECT_WITHIN_S:
+            self._owed.popleft()
+
+    def _snapshot_if_due(self) -> Snapshot | None:
+        if time.monotonic() - self._published_at < async_llm.PUBLISH_EVERY_S:
+            return None
+        self._published_at = time.monotonic()
+        return self.engine.stats(), self.engine.running_requests()
+
+    def _send_snapshot(self) -> None:
+        self._changed = False
+        self._published_at = time.monotonic()
+        self._sender.send(StepOutputs([], (self.engine.stats(), self.engine.running_requests())))
+
+    def _finish(self, error: str | None) -> None:
+        """Abort what is left (its final outputs go out), free the engine, say stopped, flush the pipe."""
+        self._compiler.shutdown(wait=False, cancel_futures=True)
+        if error is None:
+            for rid in list(self._compiling):
+                self._abort(rid)
+            for rid in self.engine.request_ids():
+                self._abort(rid)
+        self._flush()
+        try:
+            self.engine.close()
+        except Exception:
+            log.exception("closing the engine failed")
+        self._sender.send(CoreStopped(error))
+        self._sender.close()

@@ -1,0 +1,332 @@
+"""ProcessEngine: the engine core in a process of its own, with the AsyncLLM surface the server uses.
+
+The API process (uvicorn's event loop) validates and tokenises requests here, sends them to the core
+(engine_core.py) over a pipe, and streams back each step's outputs, which arrive as one message per
+step and are read on the event loop (``add_reader``: no thread of ours competes with it). Two GILs:
+the engine never waits for the event loop to hand the interpreter back, and the loop's streaming and
+the engine's Python run on two cores at once (why: engine_core.py).
+
+Guarantees kept from the in-process engine: bad input fails before anything is queued; the waiting
+queue's bound (HTTP 429) counts requests on their way to the core; a caller that stops iterating
+aborts its request; a loop that falls behind gets several tokens merged into one output (its queue
+is merged on read, as AsyncLLM's); the core stops stepping while more than a bounded number of its
+messages are unread; an engine that dies (or a core process that exits) fails every stream with
+EngineDeadError and turns ``is_running`` false (``/health`` says 503).
+
+``server.engine_process``: on, off, or auto (on for the torch backend on CUDA, where steps are a few
+milliseconds; off for llama.cpp and CPU backends, whose steps are long enough that the in-process
+thread costs nothing and one process holds the model once).
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import multiprocessing as mp
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from cllm.backends.base import Backend, Tokenizer
+from cllm.config import CllmConfig
+from cllm.engine.async_llm import next_merged_output
+from cllm.engine.core_protocol import (
+    AbortRequest, AddRequest, Admitted, CoreFailed, CoreReady, CoreStopped, EmbedDone, EmbedRequest, Snapshot,
+    FrameReader, StepOutputs, StopCore, decode, unpack_output,
+)
+from cllm.engine.engine_core import CoreSpec, Sender, run_engine_core
+from cllm.engine.llm_engine import LLMEngine, Prompt
+from cllm.engine.stats import EngineStats, RunningRequestInfo
+from cllm.errors import EngineDeadError, QueueFullError
+from cllm.outputs import EmbeddingOutput, RequestOutput
+from cllm.sampling.params import SamplingParams
+
+log = logging.getLogger("cllm.engine")
+MAX_MESSAGES_PER_WAKE = 64  # messages read per event-loop wake-up, so reading never starves the loop's other work
+JOIN_TIMEOUT_S = 10.0  # how long shutdown waits for the core to exit before killing it
+
+
+def wants_engine_process(config: CllmConfig) -> bool:
+    """``server.engine_process`` resolved: auto is on for the torch backend on CUDA."""
+    choice = config.server.engine_process
+    if choice != "auto":
+        return choice == "on"
+    if config.model.backend != "torch":
+        return False
+    device = config.torch.device
+    if device.startswith("cuda"):
+        return True
+    if device != "auto":
+        return False
+    import torch
+
+    return torch.cuda.is_available()
+
+
+@dataclass(slots=True)
+class _Stream:
+    """One request: where its outputs go (read by next_merged_output), and what its outputs get back
+    (pack_output leaves them out)."""
+
+    queue: asyncio.Queue  # RequestOutput items, or an exception to raise
+    on_queued: Callable[[], None] | None  # called once the core queued the request
+    prompt: Prompt  # as given
+    prompt_ids: list[int]  # tokenised
+    prompt_logprobs: list | None = None  # sent once by the core, put back on every later output
+    error: BaseException | None = None  # an exception that came after outputs, raised once those are out
+
+
+class ProcessEngine:
+    """``ProcessEngine(config, backend_factory=None)``: starts the core process and waits until its
+    engine is loaded (call it off the event loop, as the server's loader does)."""
+
+    in_own_process = True  # for the server's ready lines
+
+    # The prompt checks of the in-process engine, reused as they are: they need only ``tokenizer``,
+    # ``config``, ``max_model_len`` and a ``_chat`` slot, which this class has.
+    tokenize_prompt = LLMEngine.tokenize_prompt
+    tokenize_chat = LLMEngine.tokenize_chat
+    apply_chat_template = LLMEngine.apply_chat_template
+    resolve_max_tokens = LLMEngine.resolve_max_tokens
+
+    def __init__(self, config: CllmConfig, backend_factory: Callable[[], Backend] | None = None) -> None:
+        self.config = config
+        self._chat = None
+        context = mp.get_context("spawn")  # CUDA cannot be used in a forked child
+        commands_out, commands_in = context.Pipe(duplex=False)
+        outputs_out, outputs_in = context.Pipe(duplex=False)
+        self._process = context.Process(target=run_engine_core, name="cllm-engine-core", daemon=True,
+                                        args=(CoreSpec(config, backend_factory), commands_out, outputs_in))
+        self._process.start()
+        commands_out.close()  # the child's ends
+        outputs_in.close()
+        self._outputs = outputs_out
+        self._commands = Sender(commands_in)
+        ready = self._wait_ready()
+        self.tokenizer: Tokenizer = ready.tokenizer if ready.tokenizer is not None else _load_tokenizer(config)
+        self.max_model_len = ready.max_model_len
+        self.model_name = ready.model_name
+        self.device_text = ready.device_text
+        self.max_num_seqs = ready.max_num_seqs
+        self._snapshot: Snapshot = ready.snapshot
+        self._streams: dict[str, _Stream] = {}
+        self._pending = 0  # sequences sent to the core whose Admitted has not come back
+        self._embeds: dict[int, asyncio.Future] = {}
+        self._job_ids = itertools.count()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._reader: FrameReader | None = None  # the core's messages, once start() bound us to a loop
+        self._accepting = True
+        self._dead: BaseException | None = None
+        self._stopped = False  # the core said CoreStopped (or its pipe closed)
+
+    def _wait_ready(self) -> CoreReady:
+        """The core's first message; a load failure (or a core that exits while loading) raises."""
+        while not self._outputs.poll(0.5):
+            if not self._process.is_alive():
+                raise RuntimeError(f"the engine process exited with code {self._process.exitcode} while loading the model")
+        message = decode(self._outputs.recv_bytes())
+        if isinstance(message, CoreFailed):
+            self._process.join(JOIN_TIMEOUT_S)
+            raise RuntimeError(f"the engine process could not load the model: {message.error}")
+        return message
+
+    # ------------------------------------------------------------------ info
+    @property
+    def is_running(self) -> bool:
+        return self._dead is None and not self._stopped and self._process.is_alive()
+
+    def stats(self) -> EngineStats:
+        """The engine's stats as of the latest snapshot the core sent (at most PUBLISH_EVERY_S old while busy)."""
+        return self._snapshot[0]
+
+    def running_requests(self) -> list[RunningRequestInfo]:
+        return self._snapshot[1]
+
+    def start(self) -> None:
+        """Read the core's messages on the calling event loop (idempotent; one loop per engine)."""
+        loop = asyncio.get_running_loop()
+        if self._loop is None:
+            self._loop = loop
+            self._reader = FrameReader(self._outputs.fileno())
+            loop.add_reader(self._outputs.fileno(), self._on_readable)
+        elif self._loop is not loop:
+            raise RuntimeError("a ProcessEngine serves the one event loop that started it")
+
+    # ------------------------------------------------------------- requests
+    async def generate(self, prompt: Prompt, params: SamplingParams | None = None, *, request_id: str | None = None,
+                       priority: int = 0, timeout_s: float | None = None,
+                       on_queued: Callable[[], None] | None = None) -> AsyncIterator[RequestOutput]:
+        """Stream one request's outputs (deltas), as AsyncLLM.generate."""
+        params = params or SamplingParams()
+        rid = self._admit_checks(params, request_id)
+        self.start()
+        ids = await asyncio.to_thread(self.tokenize_prompt, prompt)
+        self.resolve_max_tokens(len(ids), params)
+        params.check_vocab(self.tokenizer.vocab_size)
+        self._admit_checks(params, rid)  # the core may have died, or the id been taken, meanwhile
+        stream = _Stream(asyncio.Queue(), on_queued, prompt, ids)
+        self._streams[rid] = stream
+        self._pending += params.n
+        self._commands.send(AddRequest(rid, prompt, params, priority, timeout_s, ids))
+        async with contextlib.aclosing(self._consume(rid, stream)) as outputs:  # closing us aborts at once
+            async for out in outputs:
+                yield out
+
+    async def _consume(self, rid: str, stream: _Stream) -> AsyncIterator[RequestOutput]:
+        finished = False
+        try:
+            while not finished:
+                out = await next_merged_output(stream)
+                finished = out.finished
+                yield out
+        finally:
+            if not finished and self.is_running:
+                self._commands.send(AbortRequest(rid))
+            self._streams.pop(rid, None)
+
+    def _admit_checks(self, params: SamplingParams, request_id: str | None) -> str:
+        if self._dead is not None:
+            raise EngineDeadError(f"engine stopped: {self._dead}")
+        if not self._accepting or self._stopped:
+            raise EngineDeadError("server is shutting down")
+        rid = request_id or f"req-{uuid.uuid4().hex[:16]}"
+        if rid in self._streams:
+            raise ValueError(f"request_id {rid!r} is already in use")
+        limit = self.config.scheduler.max_waiting
+        if self._snapshot[0].num_waiting + self._pending + params.n > limit:
+            raise QueueFullError(f"waiting queue is full ({limit} requests); retry later")
+        return rid
+
+    async def abort(self, request_id: str) -> None:
+        self._commands.send(AbortRequest(request_id))
+
+    async def embed(self, inputs: Prompt | Sequence[Prompt]) -> list[EmbeddingOutput]:
+        """Embeddings in input order (see AsyncLLM.embed); the core validates the inputs and batches
+        concurrent calls into one backend pass."""
+        if self._dead is not None:
+            raise EngineDeadError(f"engine stopped: {self._dead}")
+        if not self._accepting or self._stopped:
+            raise EngineDeadError("server is shutting down")
+        self.start()
+        items = [inputs] if isinstance(inputs, str) else list(inputs)
+        if items and all(isinstance(t, int) for t in items):
+            items = [items]  # one token-id input
+        job_id = next(self._job_ids)
+        future = asyncio.get_running_loop().create_future()
+        self._embeds[job_id] = future
+        self._commands.send(EmbedRequest(job_id, items))
+        try:
+            return await future
+        finally:
+            self._embeds.pop(job_id, None)
+
+    # ------------------------------------------------------------- messages
+    def _on_readable(self) -> None:
+        """Event loop: take what the core sent (a bounded number of messages; the rest on the next wake-up)."""
+        try:
+            frames = self._reader.read(MAX_MESSAGES_PER_WAKE)
+        except OSError as err:
+            frames = []
+            log.error("reading from the engine process failed: %s", err)
+            self._reader.at_eof = True
+        for frame in frames:
+            self._handle(decode(frame))
+        if self._reader.at_eof and not self._stopped:  # the core exited without a word: it died, unless shut down
+            self._core_gone(f"the engine process exited (code {self._process.exitcode})" if self._accepting else None)
+
+    def _handle(self, message: object) -> None:
+        if isinstance(message, StepOutputs):
+            for packed in message.outputs:
+                stream = self._streams.get(packed[0])
+                if stream is not None:
+                    stream.queue.put_nowait(self._unpack(packed, stream))
+            if message.snapshot is not None:
+                self._snapshot = message.snapshot
+        elif isinstance(message, Admitted):
+            self._admitted(message)
+        elif isinstance(message, EmbedDone):
+            self._embedded(message)
+        elif isinstance(message, CoreStopped):
+            self._core_gone(message.error)
+
+    @staticmethod
+    def _unpack(packed: tuple, stream: _Stream) -> RequestOutput:
+        out = unpack_output(packed, stream.prompt, stream.prompt_ids)
+        if out.prompt_logprobs is not None:
+            stream.prompt_logprobs = out.prompt_logprobs
+        else:
+            out.prompt_logprobs = stream.prompt_logprobs
+        return out
+
+    def _admitted(self, message: Admitted) -> None:
+        self._pending -= message.num_sequences
+        stream = self._streams.get(message.request_id)
+        if stream is None:
+            return  # the caller gave up before the core queued it (its abort follows the add)
+        if message.error is not None:
+            stream.queue.put_nowait(message.error)
+        elif stream.on_queued is not None:
+            stream.on_queued()
+
+    def _embedded(self, message: EmbedDone) -> None:
+        future = self._embeds.get(message.job_id)
+        if future is None or future.done():
+            return  # the caller gave up
+        if isinstance(message.result, BaseException):
+            future.set_exception(message.result)
+        else:
+            future.set_result(message.result)
+
+    def _core_gone(self, error: str | None) -> None:
+        """The core ended: a fatal error (every stream fails with it) or the end of a shutdown."""
+        if self._stopped:
+            return
+        self._stopped = True
+        if self._loop is not None:
+            self._loop.remove_reader(self._outputs.fileno())
+        if error is not None:  # not the end of a shutdown we asked for: the engine died
+            self._dead = EngineDeadError(f"engine stopped: {error}")
+            log.error("engine process stopped: %s", error)
+        failure = self._dead or EngineDeadError("engine shut down before this request finished")
+        for stream in self._streams.values():
+            stream.queue.put_nowait(failure)
+        for future in self._embeds.values():
+            if not future.done():
+                future.set_exception(EngineDeadError("engine stopped before the embedding ran"))
+
+    # ------------------------------------------------------------- shutdown
+    async def shutdown(self, grace_s: float = 0.0) -> None:
+        """Stop admitting; let in-flight requests finish for up to ``grace_s``; then the core aborts the
+        rest, frees the engine and exits (killed if it has not after JOIN_TIMEOUT_S)."""
+        self._accepting = False
+        deadline = time.monotonic() + grace_s
+        while self._streams and self.is_running and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        if self._process.is_alive():
+            self._commands.send(StopCore())
+        await asyncio.to_thread(self._process.join, JOIN_TIMEOUT_S)
+        if self._process.is_alive():
+            log.warning("the engine process did not exit %.0f s after being asked to; killing it", JOIN_TIMEOUT_S)
+            self._process.kill()
+            await asyncio.to_thread(self._process.join, JOIN_TIMEOUT_S)
+        deadline = time.monotonic() + 2.0
+        while self._loop is not None and not self._stopped and time.monotonic() < deadline:
+            self._on_readable()  # the aborted requests' final outputs, then CoreStopped (or the pipe's end)
+            await asyncio.sleep(0.005)
+        self._core_gone(None)
+        self._commands.close(timeout_s=1.0)
+        self._outputs.close()
+
+
+def _load_tokenizer(config: CllmConfig) -> Tokenizer:
+    """The vocabulary alone, for a tokenizer that could not be pickled over (llama.cpp's native handle)."""
+    if config.model.backend != "llama_cpp":
+        raise RuntimeError(f"the {config.model.backend!r} backend's tokenizer cannot be sent to the API process")
+    from cllm.backends.llama_cpp.native import LlamaModelHandle
+    from cllm.backends.llama_cpp.tokenizer import LlamaCppTokenizer
+    from cllm.model_path import resolve_model_path
+
+    return LlamaCppTokenizer(model=LlamaModelHandle(path=resolve_model_path(config.model.model), vocab_only=True))

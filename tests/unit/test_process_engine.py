@@ -1,0 +1,210 @@
+"""ProcessEngine: the engine core in a child process (server.engine_process), over the NullBackend.
+
+Each test starts a real core process (spawned, as on CUDA) and talks to it through the pipe: streamed
+outputs in order, abort when the caller stops early, per-request and per-call errors from the core, a
+core that dies (its streams fail, is_running goes false), shutdown with a request still running, and
+the packed wire form of an output.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from cllm.bench.null_backend import NullBackend
+from cllm.config import load_config
+from cllm.engine.core_protocol import FrameReader, pack_output, unpack_output
+from cllm.engine.process_engine import ProcessEngine, wants_engine_process
+from cllm.errors import ContextLengthError, EngineDeadError
+from cllm.outputs import CompletionOutput, RequestMetrics, RequestOutput, Usage
+from cllm.sampling.params import SamplingParams
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+class DyingBackend(NullBackend):
+    """A NullBackend whose forward fails fatally (not a BackendError) after ``fail_after`` calls."""
+
+    def __init__(self, fail_after: int, **kwargs: object) -> None:
+        super().__init__(**kwargs)
+        self._fail_after = fail_after
+
+    def forward_batch(self, *args: object, **kwargs: object) -> object:
+        if self.num_forwards >= self._fail_after:
+            raise MemoryError("device lost")
+        return super().forward_batch(*args, **kwargs)
+
+
+def _engine(backend=functools.partial(NullBackend, slots=8, step_ms=1.0), **overrides: object) -> ProcessEngine:
+    config = load_config(None, environ={}, n_seq_max=8, max_waiting=64, engine_process="on", log_level="warning",
+                         **overrides)
+    return ProcessEngine(config, backend)
+
+
+async def _collect(engine: ProcessEngine, prompt: object, params: SamplingParams = GREEDY) -> list[RequestOutput]:
+    return [out async for out in engine.generate(prompt, params)]
+
+
+def _running_ids(engine: ProcessEngine) -> list[str]:
+    return [r.request_id for r in engine.running_requests()]
+
+
+def test_auto_is_on_only_for_torch_on_cuda() -> None:
+    def choice(**overrides: object) -> bool:
+        return wants_engine_process(load_config(None, environ={}, **overrides))
+    assert choice(backend="torch", device="cuda")
+    assert not choice(backend="torch", device="cpu")
+    assert not choice(backend="llama_cpp")
+    assert choice(backend="llama_cpp", engine_process="on")
+    assert not choice(backend="torch", device="cuda", engine_process="off")
+
+
+def test_streams_every_token_in_order_for_concurrent_requests() -> None:
+    engine = _engine()
+
+    async def run() -> list[list[RequestOutput]]:
+        try:
+            return await asyncio.gather(*(_collect(engine, [300 + i, 301, 302]) for i in range(6)))
+        finally:
+            await engine.shutdown()
+    results = asyncio.run(run())
+    expected = None
+    for outs in results:
+        assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "length"
+        assert all(not o.finished for o in outs[:-1])
+        tokens = [t for o in outs for t in o.outputs[0].token_ids_delta]
+        assert len(tokens) == 12
+        assert outs[-1].outputs[0].token_ids == tokens  # the final output carries the whole list
+        assert outs[-1].outputs[0].text == "".join(o.outputs[0].text_delta for o in outs)
+        assert outs[0].prompt_token_ids == [outs[0].prompt_token_ids[0], 301, 302]  # put back on the API side
+        assert outs[-1].usage.completion_tokens == 12
+        expected = expected or tokens
+    assert engine.model_name and engine.max_model_len == 32768 and engine.max_num_seqs == 8
+    assert not engine.is_running  # shut down
+
+
+def test_a_caller_that_stops_early_aborts_its_request_in_the_core() -> None:
+    engine = _engine(backend=functools.partial(NullBackend, slots=8, step_ms=5.0))
+
+    async def run() -> tuple[list[str], dict[str, int]]:
+        try:
+            params = SamplingParams(max_tokens=2000, temperature=0.0, ignore_eos=True)
+            async with contextlib.aclosing(engine.generate([300, 301], params, request_id="leaver")) as stream:
+                async for _ in stream:
+                    break  # the client went away (the server closes its streams the same way)
+            deadline = time.monotonic() + 5
+            while "abort" not in engine.stats().requests_finished:
+                assert time.monotonic() < deadline, "the core never aborted the request"
+                await asyncio.sleep(0.05)
+            return _running_ids(engine), engine.stats().requests_finished
+        finally:
+            await engine.shutdown()
+    running, finished = asyncio.run(run())
+    assert running == [] and finished == {"abort": 1}
+
+
+def test_bad_input_fails_before_queueing_and_core_errors_reach_the_caller() -> None:
+    engine = _engine()
+
+    async def run() -> None:
+        try:
+            with pytest.raises(ContextLengthError):
+                await _collect(engine, [300] * 10, SamplingParams(max_tokens=40000))
+            with pytest.raises(ValueError, match="cannot compute embeddings"):  # raised in the core, sent back
+                await engine.embed(["hello"])
+            outs = await _collect(engine, "hi")  # the engine carries on
+            assert outs[-1].finished
+        finally:
+            await engine.shutdown()
+    asyncio.run(run())
+
+
+def test_a_core_that_dies_fails_its_streams_and_stops_running() -> None:
+    engine = _engine(backend=functools.partial(DyingBackend, 3, slots=8))
+
+    async def run() -> None:
+        try:
+            with pytest.raises(EngineDeadError, match="device lost"):
+                await _collect(engine, [300, 301])
+            assert not engine.is_running
+            with pytest.raises(EngineDeadError):
+                await _collect(engine, [300, 301])
+        finally:
+            await engine.shutdown()
+    asyncio.run(run())
+
+
+def test_a_killed_core_process_fails_its_streams() -> None:
+    engine = _engine(backend=functools.partial(NullBackend, slots=8, step_ms=5.0))
+
+    async def run() -> None:
+        try:
+            stream = engine.generate([300], SamplingParams(max_tokens=5000, temperature=0.0, ignore_eos=True))
+            await stream.__anext__()
+            os.kill(engine._process.pid, signal.SIGKILL)
+            with pytest.raises(EngineDeadError, match="exited"):
+                async for _ in stream:
+                    pass
+            assert not engine.is_running
+        finally:
+            await engine.shutdown()
+    asyncio.run(run())
+
+
+def test_shutdown_aborts_a_running_request_and_ends_the_process() -> None:
+    engine = _engine(backend=functools.partial(NullBackend, slots=8, step_ms=5.0))
+
+    async def run() -> None:
+        outs: list[RequestOutput] = []
+
+        async def consume() -> None:
+            async for out in engine.generate([300], SamplingParams(max_tokens=5000, temperature=0.0, ignore_eos=True)):
+                outs.append(out)
+        task = asyncio.ensure_future(consume())
+        while not outs:
+            await asyncio.sleep(0.01)
+        await engine.shutdown(grace_s=0.1)
+        await task  # ends as AsyncLLM's do: the core aborts it and its final output comes out
+        assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "abort"
+    asyncio.run(run())
+    assert not engine._process.is_alive()
+    with pytest.raises(EngineDeadError):
+        asyncio.run(_collect(engine, [300]))
+
+
+def test_packed_outputs_round_trip_with_the_prompt_put_back() -> None:
+    running = CompletionOutput(0, "abc", [], None, text_delta="c", token_ids_delta=[7])
+    done = CompletionOutput(1, "xyz", [1, 2], "stop", stop_reason="z", text_delta="z", token_ids_delta=[2])
+    out = RequestOutput("r", "p", [5, 6], [running, done], False, Usage(2, 3, 0), RequestMetrics(1.0, 2.0, 3.0))
+    back = unpack_output(pack_output(out), "p", [5, 6])
+    assert back.prompt == "p" and back.prompt_token_ids == [5, 6] and back.usage == out.usage
+    assert back.outputs[0].text == "" and back.outputs[0].text_delta == "c"  # a running choice's whole text stays behind
+    assert back.outputs[1] == done and back.metrics == out.metrics
+
+
+def test_frame_reader_takes_whole_frames_only() -> None:
+    import multiprocessing
+
+    reader_end, writer_end = multiprocessing.Pipe(duplex=False)
+    reader = FrameReader(reader_end.fileno())
+    assert reader.read(8) == []
+
+    def write() -> None:
+        writer_end.send_bytes(b"one")
+        writer_end.send_bytes(b"x" * 100_000)  # more than the pipe holds at once: arrives in pieces
+    writer = threading.Thread(target=write)
+    writer.start()
+    got: list[bytes] = []
+    deadline = time.monotonic() + 5
+    while len(got) < 2 and time.monotonic() < deadline:
+        got += reader.read(8)
+    writer.join()
+    assert got == [b"one", b"x" * 100_000]
+    writer_end.close()
+    assert reader.read(8) == [] and reader.at_eof
