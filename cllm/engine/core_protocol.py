@@ -58,7 +58,7 @@ class StopCore:
 class CoreReady:
     """The engine loaded: what the API side needs to validate and tokenise on its own."""
 
-    tokenizer: Any  # the backend's tokenizer, or None where it does not pickle (the API side loads one)
+    tokenizer: Any  # the backend's tokenizer, or None for llama.cpp's native one (the API side loads the vocabulary)
     max_model_len: int  # context length per sequence
     model_name: str  # the served model's default name
     device_text: str  # 'torch on cuda:0, bfloat16' for the ready lines

@@ -74,11 +74,9 @@ def run_engine_core(spec: CoreSpec, commands: Connection, outputs: Connection) -
 def _ready(engine: LLMEngine, config: CllmConfig) -> CoreReady:
     from cllm.server.ready import device_text  # the same words as an in-process engine's
 
-    tokenizer: Any = engine.tokenizer
-    try:
-        decode(encode(tokenizer))
-    except Exception:  # a native handle (llama.cpp): the API process loads the vocabulary itself
-        tokenizer = None
+    # llama.cpp's tokenizer is a native handle: its pointer would pickle as a number and crash the API
+    # process, which loads the vocabulary itself instead (process_engine._load_tokenizer).
+    tokenizer: Any = None if engine.backend.name == "llama_cpp" else engine.tokenizer
     return CoreReady(tokenizer, engine.max_model_len, async_llm.model_name_of(engine), device_text(_Holder(engine), config),
                      engine.backend.capacity.max_num_seqs, (engine.stats(), engine.running_requests()))
 

@@ -124,10 +124,14 @@ class ProcessEngine:
 
     def _wait_ready(self) -> CoreReady:
         """The core's first message; a load failure (or a core that exits while loading) raises."""
-        while not self._outputs.poll(0.5):
-            if not self._process.is_alive():
-                raise RuntimeError(f"the engine process exited with code {self._process.exitcode} while loading the model")
-        message = decode(self._outputs.recv_bytes())
+        try:
+            while not self._outputs.poll(0.5):
+                if not self._process.is_alive():
+                    raise EOFError
+            message = decode(self._outputs.recv_bytes())
+        except EOFError:
+            self._process.join(JOIN_TIMEOUT_S)
+            raise RuntimeError(f"the engine process exited with code {self._process.exitcode} while loading the model") from None
         if isinstance(message, CoreFailed):
             self._process.join(JOIN_TIMEOUT_S)
             raise RuntimeError(f"the engine process could not load the model: {message.error}")
@@ -322,7 +326,7 @@ class ProcessEngine:
 
 
 def _load_tokenizer(config: CllmConfig) -> Tokenizer:
-    """The vocabulary alone, for a tokenizer that could not be pickled over (llama.cpp's native handle)."""
+    """The vocabulary alone, for llama.cpp's tokenizer (a native handle, not sent over by the core)."""
     if config.model.backend != "llama_cpp":
         raise RuntimeError(f"the {config.model.backend!r} backend's tokenizer cannot be sent to the API process")
     from cllm.backends.llama_cpp.native import LlamaModelHandle

@@ -208,3 +208,22 @@ def test_frame_reader_takes_whole_frames_only() -> None:
     assert got == [b"one", b"x" * 100_000]
     writer_end.close()
     assert reader.read(8) == [] and reader.at_eof
+
+
+def test_llama_cpp_forced_on_tokenizes_with_its_own_vocabulary_and_matches_in_process_greedy() -> None:
+    import cllm
+
+    config = load_config(None, environ={}, engine_process="on", n_seq_max=2, n_ctx=1024, log_level="warning")
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+    with cllm.LLM(config=config) as llm:
+        expected = llm.generate(["The capital of France is"], params)[0].outputs[0].text
+    engine = ProcessEngine(config)
+
+    async def run() -> str:
+        try:
+            outs = await _collect(engine, "The capital of France is", params)
+            return outs[-1].outputs[0].text
+        finally:
+            await engine.shutdown()
+    assert engine.device_text.startswith("llama_cpp on CPU")
+    assert asyncio.run(run()) == expected
