@@ -13,11 +13,18 @@ class NgramIndex:
 
     def __init__(self, n_min: int, n_max: int) -> None:
         self._tables: list[tuple[int, dict[tuple[int, ...], int]]] = [(n, {}) for n in range(n_max, n_min - 1, -1)]
+        self._tokens: list[int] = []  # the sequence as far as seen (its prompt, then its output)
         self._next_end = 1  # n-grams ending before this position are indexed
 
-    def propose(self, tokens: Sequence[int], k: int) -> list[int]:
-        """Up to ``k`` tokens that followed the longest n-gram equal to the sequence's last n tokens, at
-        its most recent earlier occurrence; [] when none matches."""
+    def propose(self, prompt: Sequence[int], k: int, output: Sequence[int] = ()) -> list[int]:
+        """Up to ``k`` tokens that followed the longest n-gram equal to the sequence's last n tokens (the
+        sequence: ``prompt`` then ``output``, each only ever growing), at its most recent earlier
+        occurrence; [] when none matches. Only the tokens added since the last call are copied."""
+        tokens = self._tokens
+        if len(tokens) < len(prompt):
+            tokens += prompt[len(tokens):]
+        if output:
+            tokens += output[len(tokens) - len(prompt):]
         length = len(tokens)
         for end in range(self._next_end, length):
             for n, table in self._tables:
@@ -28,5 +35,5 @@ class NgramIndex:
             if length >= n:
                 end = table.get(tuple(tokens[length - n:]))
                 if end is not None:
-                    return list(tokens[end:end + k])
+                    return tokens[end:end + k]
         return []

@@ -19,6 +19,7 @@ PRIOR_ACCEPTED = 1.0
 PRIOR_TRIALS = 2.0
 DECAY = 0.7
 MAX_ACCEPTANCE = 0.98  # never certain: keeps the expected gain of a deep draft token below 1
+REST_STEPS = 16  # steps a batch size whose plan found nothing worth drafting is not planned again
 
 
 @dataclass(slots=True)
@@ -28,6 +29,12 @@ class _Sequence:
     ngrams: NgramIndex | None  # prompt-lookup index (ngram method)
     accepted: float = 0.0  # decayed count of accepted draft tokens
     trials: float = 0.0  # decayed count of draft positions tried (accepted ones + the first rejected)
+
+    def rest(self) -> None:
+        """A step considered: the record fades towards the prior (a sequence that failed is tried again
+        once its failures are a few steps old; one that keeps succeeding refreshes them)."""
+        self.accepted *= DECAY
+        self.trials *= DECAY
 
     @property
     def acceptance(self) -> float:
@@ -57,43 +64,45 @@ class Speculator:
         self._n_range = (config.speculative_ngram_min, config.speculative_ngram_max)
         self._draft = draft_model
         self._sequences: dict[str, _Sequence] = {}
+        self._resting: dict[int, int] = {}  # batch-size class (bit length of sampling sequences) -> steps to skip
         self.cost = StepCost()
         self.stats = SpeculationStats()
 
     def propose(self, out: SchedulerOutput, budget: int, max_model_len: int) -> list[tuple[ScheduledChunk, list[int]]]:
         """Draft tokens for this step's decodes, at most ``budget`` in all: [(chunk, draft)]."""
         chunks = [c for c in out.chunks if c.sample and c.num_tokens == 1 and _may_speculate(c.request)]
-        if not chunks or budget <= 0 or not self._pays_at_all(out):
+        num_sampled = sum(1 for c in out.chunks if c.sample)
+        size = num_sampled.bit_length()
+        if not chunks or budget <= 0 or self._resting.get(size, 0) > 0:
+            if chunks and size in self._resting:
+                self._resting[size] -= 1
             return []
         proposals: list[tuple[ScheduledChunk, list[int] | None]] = []
         candidates: list[Candidate] = []
         for c in chunks:
             req = c.request
-            limit = min(self.max_tokens, req.max_tokens - req.num_output_tokens - 1, max_model_len - req.num_tokens - 1)
-            if limit <= 0:
-                continue
+            limit = min(self.max_tokens, req.max_tokens - len(req.output_token_ids) - 1, max_model_len - req.num_tokens - 1)
             seq = self._sequence(req)
-            tokens = seq.ngrams.propose(req.all_token_ids, limit) if seq.ngrams is not None else None
-            if tokens is not None and not tokens:
+            seq.rest()
+            tokens = seq.ngrams.propose(req.prompt_token_ids, limit, req.output_token_ids) if seq.ngrams is not None and limit > 0 else None
+            if limit <= 0 or (tokens is not None and not tokens):
                 continue
             proposals.append((c, tokens))
             candidates.append(Candidate(seq.acceptance, limit if tokens is None else len(tokens)))
+        if not candidates:
+            return []
         depth_seconds = self._draft.step_seconds() if self._draft is not None else 0.0
-        plan(candidates, out.num_tokens, sum(1 for c in out.chunks if c.sample), self.cost, budget, depth_seconds)
+        plan(candidates, out.num_tokens, num_sampled, self.cost, budget, depth_seconds)
         chosen = [(c, tokens, cand.take) for (c, tokens), cand in zip(proposals, candidates) if cand.take > 0]
+        if not chosen:
+            # Nothing pays at this batch size: skip planning (and proposing) for the next few steps of
+            # this size, so a busy batch pays for it once in REST_STEPS steps, not every step.
+            self._resting[size] = REST_STEPS
+            return []
         if self._draft is not None:
             drafted = self._draft.propose([(c.request, take) for c, _, take in chosen])
             return [(c, drafted[c.request.request_id]) for c, _, _ in chosen if drafted.get(c.request.request_id)]
         return [(c, tokens[:take]) for c, tokens, take in chosen]
-
-    def _pays_at_all(self, out: SchedulerOutput) -> bool:
-        """Whether a draft token accepted for sure would raise this step's tokens per second: the
-        cheap test that keeps a busy batch from proposing anything."""
-        seconds = self.cost.seconds(out.num_tokens)
-        if seconds is None:
-            return True
-        extra = (self.cost.seconds(out.num_tokens + 1) or seconds) - seconds
-        return seconds > extra * sum(1 for c in out.chunks if c.sample)
 
     def _sequence(self, req: Request) -> _Sequence:
         seq = self._sequences.get(req.request_id)
@@ -110,8 +119,8 @@ class Speculator:
         """The outcome of one sequence's verification: ``accepted`` of ``proposed`` kept, ``emitted`` tokens out."""
         seq = self._sequences.get(req.request_id)
         if seq is not None:
-            seq.accepted = seq.accepted * DECAY + accepted
-            seq.trials = seq.trials * DECAY + accepted + (1 if accepted < proposed else 0)
+            seq.accepted += accepted
+            seq.trials += accepted + (1 if accepted < proposed else 0)
         s = self.stats
         s.proposed_tokens += proposed
         s.accepted_tokens += accepted
