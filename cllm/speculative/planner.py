@@ -40,7 +40,7 @@ def plan(candidates: list[Candidate], base_tokens: int, num_sampled: int, cost: 
     sequences that sample a token; ``budget``: most draft tokens in all; ``depth_seconds``: the extra
     cost of proposing one token deeper than any sequence so far (a draft model's decode step)."""
     seconds = cost.seconds(base_tokens)
-    if seconds is None:
+    if not seconds:  # unknown (or, for an empty step, 0): explore
         for c in candidates:
             c.take = min(c.limit, EXPLORE_TOKENS, budget)
             budget -= c.take

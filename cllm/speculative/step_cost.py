@@ -45,4 +45,10 @@ class StepCost:
         while i < len(points) - 1 and num_tokens > points[i][0]:
             i += 1
         (x0, y0), (x1, y1) = points[i - 1], points[i]
-        return max(0.0, y0 + (y1 - y0) / (x1 - x0) * (num_tokens - x0))
+        line = y0 + (y1 - y0) / (x1 - x0) * (num_tokens - x0)
+        if num_tokens < x0:
+            # Below the first measured count the first slope can run under 0 (a steep curve measured at
+            # 4 and 20 tokens, a 1-token step asked for); a step costs at least its share of a measured
+            # one (the cost per token falls with the count).
+            return max(line, y0 * max(num_tokens, 0) / x0)
+        return max(0.0, line)

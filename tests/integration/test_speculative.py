@@ -6,15 +6,17 @@ What is guaranteed, and asserted here (docs/reproducibility.md):
   verification forward evaluates the request's last token and its draft tokens in one batch where
   decoding evaluates one token per step; on this build each row's result does not depend on the rows
   evaluated beside it (Q8 activation quantisation is per row, each dot product is computed whole), so
-  the logits are the same bits: measured on the embedded model with 1 thread, the greedy tokens *and*
-  every logprob of four copy prompts were equal with and without speculation (max difference 0.0). So
-  tests of one request alone assert identical tokens; a sampled request with a seed draws the same
-  tokens too (the same inverse-CDF draws on the same logits).
-- **Within rounding only** where the batch composition or the cache's cell layout differs anyway:
-  several requests batched together (the drafts change which tokens share a step), preemption
-  (recomputed prompts, a unified cache's layout), the torch backend (float32 matmuls of different row
-  counts round differently: measured logprob differences ~4e-6). Those use `assert_greedy_agree`:
-  equal tokens until, if ever, a near-tie.
+  the logits are the same bits: measured on the embedded model with 1 and with 2 threads, drafts of up
+  to 24 tokens, the greedy tokens *and* every logprob (chosen and top-3) of four copy prompts were
+  equal with and without speculation (max difference 0.0). So tests of one request alone assert
+  identical tokens; a sampled request with a seed draws the same tokens too (the same inverse-CDF
+  draws on the same logits).
+- **Within rounding only** where docs/reproducibility.md promises no more: several requests batched
+  together (the drafts change which tokens share a step; measured equal here too, but the doc's
+  bound for other batch compositions is rounding), preemption (recomputed prompts, a unified cache's
+  layout), the torch backend (float32 matmuls of different row counts round differently: measured
+  logprob differences ~4e-6). Those use `assert_greedy_agree`: equal tokens with logprobs within
+  LOGPROB_TOL until, if ever, a near-tie.
 - **Sampled requests follow the target's distribution**: a chi-square test on a tiny model with a
   12-token vocabulary, many seeded draws, comparing the tokens drawn while verifying drafts with the
   exact conditional distributions computed by transformers from the same weights.
@@ -229,7 +231,7 @@ def test_stop_string_inside_an_accepted_draft_run(off, spec):
         assert seen[f"stop{i}"], "no draft was verified: nothing was tested"
         start, draft, emitted = seen[f"stop{i}"][-1]
         # It ended in a verification, on an accepted draft token, the draft going on past it.
-        assert start + emitted == len(got.outputs[0].token_ids) and 1 < emitted < len(draft), (start, len(draft), emitted)
+        assert start + emitted == len(got.outputs[0].token_ids) and emitted < len(draft), (start, len(draft), emitted)
         assert got.outputs[0].token_ids[start:] == draft[:emitted]
     # A stop token id inside the copy (the token of " night").
     night = spec.tokenizer.encode(" night", add_special=False)[-1]
@@ -288,6 +290,25 @@ def test_json_schema_output_is_identical_and_valid(off, spec):
     assert counters(spec)[0] > before[0]  # drafts were verified against the grammar
 
 
+def test_penalties_logit_bias_and_min_tokens_see_the_output_so_far(off, spec):
+    # Each verified position is sampled with the penalties over the output up to it, and EOS held back
+    # until min_tokens: the same tokens as one step at a time.
+    night = spec.tokenizer.encode(" night", add_special=False)[-1]
+    cases = [cllm.SamplingParams(max_tokens=40, temperature=0, repetition_penalty=1.1),
+             cllm.SamplingParams(max_tokens=40, temperature=0, frequency_penalty=0.5, presence_penalty=0.3),
+             cllm.SamplingParams(max_tokens=40, temperature=0, logit_bias={night: -100.0})]
+    for params in cases:
+        before = counters(spec)
+        got, want = alone(spec, COPY_PROMPTS[0], params), alone(off, COPY_PROMPTS[0], params)
+        same_choice(got.outputs[0], want.outputs[0])
+        assert counters(spec)[0] > before[0], params
+    assert night not in got.outputs[0].token_ids
+    params = cllm.SamplingParams(max_tokens=40, temperature=0, min_tokens=30)
+    got, want = alone(spec, COPY_PROMPTS[3], params), alone(off, COPY_PROMPTS[3], params)
+    same_choice(got.outputs[0], want.outputs[0])
+    assert len(got.outputs[0].token_ids) >= 30  # (the copy alone ends at about 15 tokens)
+
+
 def test_request_may_turn_speculation_off(spec):
     before = counters(spec)
     out = alone(spec, COPY_PROMPTS[0], cllm.SamplingParams(max_tokens=30, temperature=0, speculative=False))
@@ -344,9 +365,8 @@ def test_kv_hand_off_mid_generation_with_speculation(off, pair):
     assert a.backend.num_free_slots() == SETTINGS["n_seq_max"]
 
 
-@pytest.mark.xfail(strict=True, reason="bug: migration.export_request never calls speculator.remove(): the "
-                   "exporting engine keeps the request's speculation state (and a draft model's KV slot)")
 def test_hand_off_forgets_the_request_in_the_exporting_speculator(pair):
+    # (A draft model's KV slot for it would otherwise stay taken in the exporting engine for good.)
     params = cllm.SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     a, b = pair[0].engine, pair[1].engine
     a.add_request(COPY_PROMPTS[1], params, request_id="h2")
@@ -536,21 +556,23 @@ def test_sampled_tokens_follow_the_targets_distribution(tiny):
     model_dir, model = tiny
     prompt = tiny_prompt(model)
     samples, verified, (proposed, accepted) = draws(model_dir, prompt, "ngram")
-    assert proposed > 4000 and 0.1 * proposed < accepted < 0.9 * proposed, (proposed, accepted)
+    assert accepted > 1000 and proposed - accepted > 1000, (proposed, accepted)  # both paths, many times
     chi2, dof, z, tested = verify_statistics(samples, verified, target_probs(model, prompt, samples))
     assert tested > 5000 and dof >= 100, (tested, dof)
     # False-failure probability of each bound: that of a standard normal beyond 4.75 (one-sided chi-square,
     # Wilson-Hilferty) or 4.9 (two-sided z), about 1e-6. The seeds and the plan (FlatCost) are fixed, so
-    # the draws are too: the test is deterministic. Measured: chi-square ~130 on ~140 degrees of freedom
-    # (bound ~235); a logits row off by one position gives ~2500, drawing the draft token 10 % too often
-    # a z of 13.
+    # the draws are too: the test is deterministic. Measured: chi-square 183 on 172 degrees of freedom
+    # (bound 275), z 0.9, 8626 draws tested; checked against the wrong target, the same statistics give
+    # 3054 (a logits row off by one position), 471 and z 16 (the draft token drawn 10 % too often),
+    # 276 on 164 (temperature 0.9 instead of 1: just past its bound).
     assert chi2 < chi2_critical(dof, 4.75), (chi2, dof, chi2_critical(dof, 4.75))
     assert abs(z) < 4.9, z
 
 
 def test_seeded_draws_on_the_tiny_model_repeat_without_speculation(tiny):
     """The same seeds without speculation: the same tokens, but where float32 rounding (logits of a
-    batch of draft rows vs one row, ~1e-6) moves a draw across a boundary between two tokens."""
+    batch of draft rows vs one row, ~1e-6) moves a draw across a boundary between two tokens: allowed
+    for 0.5 % of the seeds (measured: 2000 of 2000 equal)."""
     model_dir, model = tiny
     prompt = tiny_prompt(model)
     with_spec, _, _ = draws(model_dir, prompt, "ngram")

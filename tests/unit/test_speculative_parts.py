@@ -66,11 +66,27 @@ def test_ngram_incremental_index_equals_a_search_from_scratch(tokens, data):
     n_min = data.draw(st.integers(1, 3))
     n_max = data.draw(st.integers(n_min, 5))
     idx = NgramIndex(n_min, n_max)
-    length = 0
-    while length < len(tokens):  # the sequence grows by 1..4 tokens between lookups, as decoding does
-        length = min(len(tokens), length + data.draw(st.integers(1, 4)))
+    # The engine passes the prompt and the output apart: the prompt once whole, the output growing by
+    # 1..4 tokens between lookups (one, or an accepted draft and the model's next token).
+    num_prompt = data.draw(st.integers(1, len(tokens)))
+    prompt, length = tokens[:num_prompt], num_prompt
+    while True:
         k = data.draw(st.integers(1, 8))
-        assert idx.propose(tokens[:length], k) == reference_propose(tokens[:length], k, n_min, n_max)
+        got = idx.propose(prompt, k, tokens[num_prompt:length])
+        assert got == reference_propose(tokens[:length], k, n_min, n_max)
+        if length == len(tokens):
+            break
+        length = min(len(tokens), length + data.draw(st.integers(1, 4)))
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.integers(0, 2), min_size=1, max_size=40), st.data())
+def test_ngram_index_of_a_growing_prompt_alone(tokens, data):
+    idx = NgramIndex(2, 4)
+    length = 0
+    while length < len(tokens):
+        length = min(len(tokens), length + data.draw(st.integers(1, 4)))
+        assert idx.propose(tokens[:length], 5) == reference_propose(tokens[:length], 5, 2, 4)
 
 
 # --------------------------------------------------------------------------------- step cost
@@ -126,6 +142,22 @@ def test_step_cost_is_monotone_under_noisy_timings():
     cost.observe(2, 0.03)
     cost.observe(40, 0.01)
     assert cost.seconds(40) == pytest.approx(0.03) and cost.seconds(100) == pytest.approx(0.03)
+
+
+def test_step_cost_below_the_first_measured_count_is_never_free():
+    # Decode steps of 4 sequences measured first (the exploration gave them 16 draft tokens), then one
+    # sequence left: its 1-token step lies below every measured count. The last slope carried below
+    # the first point went under 0, and a plan divided by that cost.
+    cost = StepCost()
+    for _ in range(3):
+        cost.observe(4, 0.030)
+        cost.observe(20, 0.200)
+    one = cost.seconds(1)
+    assert one is not None and one >= 0.030 / 4  # a step costs at least its share of a measured one
+    assert cost.seconds(4) == pytest.approx(0.030) and cost.seconds(2) <= cost.seconds(3) <= cost.seconds(4)
+    cand = [Candidate(acceptance=0.9, limit=8)]
+    plan(cand, base_tokens=1, num_sampled=1, cost=cost, budget=100)  # (was: ZeroDivisionError)
+    assert 0 <= cand[0].take <= 8
 
 
 # ------------------------------------------------------------------------------------- plan
