@@ -69,40 +69,43 @@ class Speculator:
         self.stats = SpeculationStats()
 
     def propose(self, out: SchedulerOutput, budget: int, max_model_len: int) -> list[tuple[ScheduledChunk, list[int]]]:
-        """Draft tokens for this step's decodes, at most ``budget`` in all: [(chunk, draft)]."""
-        chunks = [c for c in out.chunks if c.sample and c.num_tokens == 1 and _may_speculate(c.request)]
+        """Draft tokens for this step's decodes, at most ``budget`` in all: [(chunk, draft)].
+
+        First a plan as if every decode had a full draft: if even that adds nothing at this batch size
+        (a busy batch), nothing is proposed for the next REST_STEPS steps of this size, so a large batch
+        pays for the question once in REST_STEPS steps. Otherwise proposals, and the plan over them."""
         num_sampled = sum(1 for c in out.chunks if c.sample)
         size = num_sampled.bit_length()
-        if not chunks or budget <= 0 or self._resting.get(size, 0) > 0:
-            if chunks and size in self._resting:
-                self._resting[size] -= 1
+        if self._resting.get(size, 0) > 0:
+            self._resting[size] -= 1
             return []
-        proposals: list[tuple[ScheduledChunk, list[int] | None]] = []
-        candidates: list[Candidate] = []
-        for c in chunks:
-            req = c.request
-            limit = min(self.max_tokens, req.max_tokens - len(req.output_token_ids) - 1, max_model_len - req.num_tokens - 1)
-            seq = self._sequence(req)
-            seq.rest()
-            tokens = seq.ngrams.propose(req.prompt_token_ids, limit, req.output_token_ids) if seq.ngrams is not None and limit > 0 else None
-            if limit <= 0 or (tokens is not None and not tokens):
-                continue
-            proposals.append((c, tokens))
-            candidates.append(Candidate(seq.acceptance, limit if tokens is None else len(tokens)))
-        if not candidates:
+        chunks = [c for c in out.chunks if c.sample and c.num_tokens == 1 and _may_speculate(c.request)]
+        if not chunks or budget <= 0:
             return []
+        limits = [min(self.max_tokens, c.request.max_tokens - len(c.request.output_token_ids) - 1,
+                      max_model_len - c.request.num_tokens - 1) for c in chunks]
+        seqs = [self._sequence(c.request) for c in chunks]
         depth_seconds = self._draft.step_seconds() if self._draft is not None else 0.0
-        plan(candidates, out.num_tokens, num_sampled, self.cost, budget, depth_seconds)
-        chosen = [(c, tokens, cand.take) for (c, tokens), cand in zip(proposals, candidates) if cand.take > 0]
-        if not chosen:
-            # Nothing pays at this batch size: skip planning (and proposing) for the next few steps of
-            # this size, so a busy batch pays for it once in REST_STEPS steps, not every step.
+        upper = [Candidate(seq.acceptance, limit) for seq, limit in zip(seqs, limits)]
+        plan(upper, out.num_tokens, num_sampled, self.cost, budget, depth_seconds)
+        if not any(c.take for c in upper):
             self._resting[size] = REST_STEPS
             return []
+        for seq in seqs:
+            seq.rest()
         if self._draft is not None:
-            drafted = self._draft.propose([(c.request, take) for c, _, take in chosen])
-            return [(c, drafted[c.request.request_id]) for c, _, _ in chosen if drafted.get(c.request.request_id)]
-        return [(c, tokens[:take]) for c, tokens, take in chosen]
+            wanted = [(c.request, cand.take) for c, cand in zip(chunks, upper) if cand.take > 0]
+            drafted = self._draft.propose(wanted)
+            return [(c, drafted[c.request.request_id]) for c in chunks if drafted.get(c.request.request_id)]
+        proposals: list[tuple[ScheduledChunk, list[int]]] = []
+        candidates: list[Candidate] = []
+        for c, seq, limit in zip(chunks, seqs, limits):
+            tokens = seq.ngrams.propose(c.request.prompt_token_ids, limit, c.request.output_token_ids) if limit > 0 else []
+            if tokens:
+                proposals.append((c, tokens))
+                candidates.append(Candidate(seq.acceptance, len(tokens)))
+        plan(candidates, out.num_tokens, num_sampled, self.cost, budget, depth_seconds)
+        return [(c, tokens[:cand.take]) for (c, tokens), cand in zip(proposals, candidates) if cand.take > 0]
 
     def _sequence(self, req: Request) -> _Sequence:
         seq = self._sequences.get(req.request_id)
