@@ -105,7 +105,10 @@ class Speculator:
                 proposals.append((c, tokens))
                 candidates.append(Candidate(seq.acceptance, len(tokens)))
         plan(candidates, out.num_tokens, num_sampled, self.cost, budget, depth_seconds)
-        return [(c, tokens[:cand.take]) for (c, tokens), cand in zip(proposals, candidates) if cand.take > 0]
+        chosen = [(c, tokens[:cand.take]) for (c, tokens), cand in zip(proposals, candidates) if cand.take > 0]
+        if not chosen:  # nothing to copy now: look again after a few steps (fewer for a small batch)
+            self._resting[size] = min(REST_STEPS, num_sampled)
+        return chosen
 
     def _sequence(self, req: Request) -> _Sequence:
         seq = self._sequences.get(req.request_id)
