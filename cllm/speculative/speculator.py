@@ -84,6 +84,8 @@ class Speculator:
             return []
         limits = [min(self.max_tokens, c.request.max_tokens - len(c.request.output_token_ids) - 1,
                       max_model_len - c.request.num_tokens - 1) for c in chunks]
+        if max(limits) <= 0:  # every decode at its last token: no verdict on this batch size (no rest)
+            return []
         seqs = [self._sequence(c.request) for c in chunks]
         depth_seconds = self._draft.step_seconds() if self._draft is not None else 0.0
         upper = [Candidate(seq.acceptance, limit) for seq, limit in zip(seqs, limits)]

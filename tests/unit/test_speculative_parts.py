@@ -316,3 +316,32 @@ def test_engine_on_the_fake_output_equals_no_speculation_and_kv_is_rolled_back()
     # Batches held draft tokens: some step evaluated more than one token of a decoding sequence.
     assert any(sum(1 for s in seqs if s == "r0") > 1 and pos[seqs.index("r0")] >= len(prompts[0])
                for _, pos, seqs in backend.batches)
+
+
+class FlatCost(StepCost):
+    """Timing that does not depend on this machine: 10 ms a step, 10 us a token."""
+
+    def observe(self, num_tokens: int, seconds: float) -> None:
+        pass
+
+    def seconds(self, num_tokens: int) -> float:
+        return 0.010 + 1e-5 * num_tokens
+
+
+def test_a_request_ending_at_max_tokens_does_not_stop_the_next_one_speculating():
+    # One stream of requests, one after another. At a request's last token no draft fits (max_tokens):
+    # that says nothing about whether speculation pays at this batch size, and must not keep the next
+    # request from speculating.
+    engine = fake_engine(speculative="ngram", num_speculative_tokens=4)
+    engine.speculator.cost = FlatCost()
+    params = cllm.SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)  # 1 + 5 + 5, then 1 more
+    steps = {}
+    for rid in ("first", "second"):
+        engine.add_request(list(range(64)) + list(range(10)), params, request_id=rid)
+        steps[rid] = 0
+        while engine.has_unfinished():
+            engine.step()
+            steps[rid] += 1
+    # The counting model goes on 10, 11, ... as the prompt did: every draft is accepted, so each request
+    # takes its prefill and a few verifying steps, not twelve decodes.
+    assert steps["second"] == steps["first"] <= 5, steps
