@@ -345,3 +345,16 @@ def test_a_request_ending_at_max_tokens_does_not_stop_the_next_one_speculating()
     # The counting model goes on 10, 11, ... as the prompt did: every draft is accepted, so each request
     # takes its prefill and a few verifying steps, not twelve decodes.
     assert steps["second"] == steps["first"] <= 5, steps
+
+
+def test_drafts_stay_within_the_step_token_budget():
+    engine = fake_engine(speculative="ngram", max_num_batched_tokens=16)
+    engine.speculator.cost = FlatCost()  # drafts as long as the plan allows: 24 a sequence
+    prompt = list(range(64)) + list(range(10))
+    params = cllm.SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    for i in range(3):
+        engine.add_request(prompt, params, request_id=f"r{i}")
+    outs = run_all(engine)
+    assert all(o.outputs[0].token_ids == list(range(10, 50)) for o in outs.values())
+    assert engine.speculator.stats.accepted_tokens > 0
+    assert max(len(flat) for flat, _, _ in engine.backend.batches) <= 16
