@@ -28,6 +28,7 @@ stands in for the timing, never for the model. One test plans from measured time
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import json
@@ -332,6 +333,33 @@ def test_penalties_logit_bias_and_min_tokens_see_the_output_so_far(off, spec):
     got, want = alone(spec, COPY_PROMPTS[3], params), alone(off, COPY_PROMPTS[3], params)
     same_choice(got.outputs[0], want.outputs[0])
     assert len(got.outputs[0].token_ids) >= 30  # (the copy alone ends at about 15 tokens)
+
+
+def test_streamed_deltas_of_multi_token_steps(off):
+    """AsyncLLM: a step that emits a draft run hands it out as one delta; the deltas add up to the
+    final output, which equals the output without speculation (a stop string held back, not leaked)."""
+    params = cllm.SamplingParams(max_tokens=60, temperature=0, stop=["lit the lamp"], logprobs=1)
+    want = alone(off, COPY_PROMPTS[0], params).outputs[0]
+
+    async def main():
+        engine = cllm.AsyncLLM(**SETTINGS, speculative="ngram")
+        engine.engine.speculator.cost = FlatCost()
+        outs = []
+        try:
+            async for out in engine.generate(COPY_PROMPTS[0], params):
+                outs.append(out.outputs[0])
+        finally:
+            await engine.shutdown(0)
+        return outs
+
+    outs = asyncio.run(main())
+    final = outs[-1]
+    same_choice(final, want)
+    assert "".join(o.text_delta for o in outs) == final.text
+    assert [t for o in outs for t in o.token_ids_delta] == final.token_ids
+    assert sum(len(o.logprobs_delta or []) for o in outs) == len(final.token_ids)
+    assert max(len(o.token_ids_delta) for o in outs) > 1  # several tokens at once (a draft run)
+    assert all("lit the" not in o.text_delta for o in outs)
 
 
 def test_request_may_turn_speculation_off(spec):
