@@ -667,3 +667,28 @@ def test_draft_model_with_another_vocabulary_is_refused(tiny, tmp_path):
             (tmp_path / name).write_bytes((Path(model_dir) / name).read_bytes())
     with pytest.raises(ValueError, match="speculative_model has a vocabulary of 16 tokens but the model has 12"):
         cllm.LLM(model=model_dir, **TINY, speculative="draft", speculative_model=str(tmp_path))
+
+
+def test_tiny_torch_model_drafting_for_itself_and_a_hand_off(tiny):
+    """The torch backend as a draft model (its own KV rolled back in step), n-gram-free: greedy output as
+    without speculation, and a hand-off mid-generation leaves no draft KV behind in the exporting engine."""
+    model_dir, model = tiny
+    prompt = tiny_prompt(model)[-80:]
+    params = cllm.SamplingParams(max_tokens=30, temperature=0, ignore_eos=True, logprobs=2)
+    draft = dict(TINY, speculative="draft", speculative_model=model_dir, num_speculative_tokens=4)
+    with cllm.LLM(model=model_dir, **TINY, speculative="off") as off_tiny:
+        want = alone(off_tiny, prompt, params)
+    with cllm.LLM(model=model_dir, **draft) as a, cllm.LLM(model=model_dir, **draft) as b:
+        for llm in (a, b):
+            llm.engine.speculator.cost = FlatCost(step=1.0)  # drafts long, whatever the draft step costs here
+        got = alone(a, prompt, params)
+        assert_agree_within(got, want, 1e-3)
+        assert a.engine.speculator.stats.accepted_tokens > 10
+        a.engine.add_request(prompt, params, request_id="h")
+        while a.engine.scheduler.requests["h"].num_output_tokens < 8:
+            a.engine.step()
+        hand_off(a.engine, b.engine, "h", chunk_bytes=1 << 16)
+        assert a.engine.speculator._draft.backend.num_free_slots() == TINY["n_seq_max"]  # its draft KV let go
+        out = run_all(b.engine)["h"]
+        assert_agree_within(out, want, 1e-3)
+        assert b.engine.speculator.stats.accepted_tokens > 0
