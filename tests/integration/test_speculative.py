@@ -362,6 +362,40 @@ def test_streamed_deltas_of_multi_token_steps(off):
     assert all("lit the" not in o.text_delta for o in outs)
 
 
+def test_prompt_logprobs_with_speculation(off, spec):
+    # A request scoring its prompt needs every prompt row: it drafts only once the prompt is scored.
+    params = cllm.SamplingParams(max_tokens=30, temperature=0, prompt_logprobs=1)
+    before = counters(spec)
+    got, want = alone(spec, COPY_PROMPTS[0], params), alone(off, COPY_PROMPTS[0], params)
+    same_choice(got.outputs[0], want.outputs[0])
+    assert len(got.prompt_logprobs) == len(want.prompt_logprobs) == len(got.prompt_token_ids)
+    for x, y in zip(got.prompt_logprobs[1:], want.prompt_logprobs[1:]):
+        assert x.token_id == y.token_id and abs(x.logprob - y.logprob) <= LOGPROB_TOL
+    assert counters(spec)[1] > before[1]
+
+
+def test_abort_mid_stream_frees_the_slot():
+    params = cllm.SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
+
+    async def main():
+        engine = cllm.AsyncLLM(**SETTINGS, speculative="ngram")
+        engine.engine.speculator.cost = FlatCost()
+        n = 0
+        try:
+            async for _ in engine.generate(COPY_PROMPTS[1], params, request_id="cut"):
+                n += 1
+                if n == 3:
+                    break  # closing the stream aborts the request
+            await asyncio.sleep(0.3)
+            return engine.stats(), engine.engine.speculator
+        finally:
+            await engine.shutdown(0)
+
+    stats, speculator = asyncio.run(main())
+    assert stats.slots_in_use == 0 and stats.requests_finished.get("abort") == 1
+    assert "cut" not in speculator._sequences
+
+
 def test_request_may_turn_speculation_off(spec):
     before = counters(spec)
     out = alone(spec, COPY_PROMPTS[0], cllm.SamplingParams(max_tokens=30, temperature=0, speculative=False))
