@@ -67,8 +67,14 @@ class DraftModel:
             if admission is None:
                 return False
             held = self._held[rid] = req.all_token_ids[:admission.num_cached_tokens]
-        if len(held) >= req.num_tokens:  # its logits at the last token are needed: evaluate that again
-            del held[self.backend.truncate(rid, req.num_tokens - 1):]
+        # Keep only what is still the sequence's own: draft tokens no verification synced (the scheduler
+        # dropped the draft: no KV room for it) are cut, and the last token is evaluated again (its
+        # logits are needed).
+        tokens = req.all_token_ids
+        same = len(held) if tokens[:len(held)] == held else common_prefix_len(held, tokens)  # (the usual case: a C compare)
+        keep = min(same, req.num_tokens - 1)
+        if keep < len(held):
+            del held[self.backend.truncate(rid, keep):]
         return self.backend.reserve(rid, req.num_tokens + k)
 
     def _feed(self, feed: list[tuple[str, list[int]]]) -> dict[str, int]:

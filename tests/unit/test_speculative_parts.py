@@ -358,3 +358,19 @@ def test_drafts_stay_within_the_step_token_budget():
     assert all(o.outputs[0].token_ids == list(range(10, 50)) for o in outs.values())
     assert engine.speculator.stats.accepted_tokens > 0
     assert max(len(flat) for flat, _, _ in engine.backend.batches) <= 16
+
+
+def test_draft_model_kv_follows_the_sequence_when_a_draft_is_dropped():
+    """The draft model decodes its draft tokens into its own KV; when the scheduler then drops the draft
+    (no KV room for it in the target) no verification syncs it. Whatever the target emits next, the
+    draft model's KV must hold the sequence's own tokens before it drafts again."""
+    from cllm.request import Request
+    from cllm.speculative.draft_model import DraftModel
+
+    backend = SpeculatingFake(slots=2, max_batch_tokens=64)
+    draft = DraftModel(backend, vocab_size=backend.tokenizer.vocab_size)
+    req = Request("r", [5, 6, 7, 8], cllm.SamplingParams(max_tokens=40, temperature=0), 40)
+    assert draft.propose([(req, 3)]) == {"r": [9, 10, 11]}  # the counting model's own continuation
+    req.output_token_ids += [20, 21, 22, 23]  # the target went elsewhere, several steps, no drafts verified
+    assert draft.propose([(req, 2)]) == {"r": [24, 25]}
+    assert backend.kv["r"][:req.num_tokens] == req.all_token_ids  # (then the draft tokens it fed)
