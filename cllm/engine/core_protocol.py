@@ -68,9 +68,10 @@ class CoreReady:
 
 @dataclass(slots=True)
 class CoreFailed:
-    """The engine could not be built; the text says why."""
+    """The engine could not be built, or not served from its own process; the text says why."""
 
     error: str
+    in_thread_ok: bool = False  # the engine loaded, only its tokenizer could not be sent: it can run in-process
 
 
 @dataclass(slots=True)

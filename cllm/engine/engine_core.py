@@ -67,7 +67,15 @@ def run_engine_core(spec: CoreSpec, commands: Connection, outputs: Connection) -
         sender.send(CoreFailed(f"{type(err).__name__}: {err}"))
         sender.close()
         return
-    sender.send(_ready(engine, spec.config))
+    try:
+        ready = encode(_ready(engine, spec.config))
+    except Exception as err:  # a tokenizer that does not pickle: the API process may run the engine itself
+        engine.close()
+        sender.send(CoreFailed(f"its tokenizer cannot be sent to the API process ({type(err).__name__}: {err})",
+                               in_thread_ok=True))
+        sender.close()
+        return
+    sender.send_encoded(ready)
     EngineCore(engine, commands, sender).run()
 
 
@@ -100,6 +108,9 @@ class Sender:
 
     def send(self, message: object) -> None:
         self._queue.put(encode(message))
+
+    def send_encoded(self, data: bytes) -> None:
+        self._queue.put(data)
 
     def backlog(self) -> int:
         return self._queue.qsize()

@@ -66,6 +66,11 @@ def wants_engine_process(config: CllmConfig) -> bool:
     return torch.cuda.is_available()
 
 
+class EngineProcessUnavailable(RuntimeError):
+    """The engine loaded in its process but cannot be served from there (its tokenizer did not pickle);
+    it freed everything and exited: the engine can be built in-process instead."""
+
+
 @dataclass(slots=True)
 class _Stream:
     """One request: where its outputs go (read by next_merged_output), and what its outputs get back
@@ -135,6 +140,8 @@ class ProcessEngine:
             raise RuntimeError(f"the engine process exited with code {self._process.exitcode} while loading the model") from None
         if isinstance(message, CoreFailed):
             self._process.join(JOIN_TIMEOUT_S)
+            if message.in_thread_ok:
+                raise EngineProcessUnavailable(f"the engine cannot run in its own process: {message.error}")
             raise RuntimeError(f"the engine process could not load the model: {message.error}")
         return message
 

@@ -29,10 +29,17 @@ log = logging.getLogger("cllm.server")
 def _construct_engine(config: CllmConfig) -> Any:
     """The engine in a process of its own where that pays (server.engine_process), else on a thread here."""
     from cllm.engine.async_llm import AsyncLLM  # imported here: it pulls in the backends
-    from cllm.engine.process_engine import ProcessEngine, wants_engine_process
+    from cllm.engine.process_engine import EngineProcessUnavailable, ProcessEngine, wants_engine_process
 
     with model_load_phase(config):
-        return ProcessEngine(config) if wants_engine_process(config) else AsyncLLM(config=config)
+        if wants_engine_process(config):
+            try:
+                return ProcessEngine(config)
+            except EngineProcessUnavailable as err:
+                if config.server.engine_process == "on":
+                    raise
+                log.warning("%s; running it on a thread of this process instead (engine_process: auto)", err)
+        return AsyncLLM(config=config)
 
 
 def _served_names(config: CllmConfig, engine: Any) -> tuple[str, ...]:

@@ -20,7 +20,7 @@ import pytest
 from cllm.bench.null_backend import NullBackend
 from cllm.config import load_config
 from cllm.engine.core_protocol import FrameReader, pack_output, unpack_output
-from cllm.engine.process_engine import ProcessEngine, wants_engine_process
+from cllm.engine.process_engine import EngineProcessUnavailable, ProcessEngine, wants_engine_process
 from cllm.errors import ContextLengthError, EngineDeadError
 from cllm.outputs import CompletionOutput, RequestMetrics, RequestOutput, Usage
 from cllm.sampling.params import SamplingParams
@@ -39,6 +39,14 @@ class DyingBackend(NullBackend):
         if self.num_forwards >= self._fail_after:
             raise MemoryError("device lost")
         return super().forward_batch(*args, **kwargs)
+
+
+class UnsendableTokenizerBackend(NullBackend):
+    """A NullBackend whose tokenizer holds a lock (it cannot be pickled to the API process)."""
+
+    def __init__(self, **kwargs: object) -> None:
+        super().__init__(**kwargs)
+        self._tok.lock = threading.Lock()
 
 
 def _engine(backend=functools.partial(NullBackend, slots=8, step_ms=1.0), **overrides: object) -> ProcessEngine:
@@ -176,6 +184,11 @@ def test_shutdown_aborts_a_running_request_and_ends_the_process() -> None:
     assert not engine._process.is_alive()
     with pytest.raises(EngineDeadError):
         asyncio.run(_collect(engine, [300]))
+
+
+def test_a_tokenizer_that_cannot_be_sent_is_reported_so_the_engine_can_run_in_process() -> None:
+    with pytest.raises(EngineProcessUnavailable, match="tokenizer cannot be sent"):
+        _engine(backend=functools.partial(UnsendableTokenizerBackend, slots=8))
 
 
 def test_packed_outputs_round_trip_with_the_prompt_put_back() -> None:
