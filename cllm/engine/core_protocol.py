@@ -173,6 +173,15 @@ class FrameReader:
             frames += self._frames(max_frames - len(frames))
         return frames
 
+    def has_frame(self) -> bool:
+        """Whether a whole frame is buffered already (read() stopped at its limit): the descriptor will not say so."""
+        if len(self._buffer) < 4:
+            return False
+        (size,) = struct.unpack_from("!i", self._buffer)
+        if size != -1:
+            return len(self._buffer) >= 4 + size
+        return len(self._buffer) >= 12 and len(self._buffer) >= 12 + struct.unpack_from("!Q", self._buffer, 4)[0]
+
     def _frames(self, limit: int) -> list[bytes]:
         frames = []
         while len(frames) < limit and len(self._buffer) >= 4:

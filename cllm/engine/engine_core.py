@@ -41,6 +41,7 @@ from cllm.engine.core_protocol import (
     StepOutputs, StopCore, decode, encode, pack_output, portable_error,
 )
 from cllm.engine.llm_engine import LLMEngine
+from cllm.errors import QueueFullError
 from cllm.outputs import RequestOutput, merge_outputs
 
 log = logging.getLogger("cllm.engine")
@@ -220,7 +221,7 @@ class EngineCore:
         try:
             self.engine.add_request(command.prompt, command.params, request_id=command.request_id,
                                     priority=command.priority, timeout_s=command.timeout_s, prompt_ids=command.prompt_ids)
-        except (ValueError, TypeError, RuntimeError) as err:  # this request's fault or the queue's bound
+        except (ValueError, TypeError, QueueFullError) as err:  # this request's fault or the queue's bound
             error = portable_error(err)
         self._sender.send(Admitted(command.request_id, command.params.n, error))
 

@@ -246,6 +246,9 @@ class ProcessEngine:
             self._reader.at_eof = True
         for frame in frames:
             self._handle(decode(frame))
+        if self._reader.has_frame() and self._loop is not None and not self._stopped:
+            self._loop.call_soon(self._on_readable)  # the rest of what was read, after the loop's other work
+            return
         if self._reader.at_eof and not self._stopped:  # the core exited without a word: it died, unless shut down
             self._core_gone(f"the engine process exited (code {self._process.exitcode})" if self._accepting else None)
 
