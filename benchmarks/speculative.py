@@ -204,7 +204,7 @@ def run(args: argparse.Namespace) -> dict:
                         server.stop()
                         server = start(system, args, binary)
                 for clients in args.clients if system in busy else []:
-                    busy[system][clients].append(asyncio.run(closed_loops(server.url, mixed, clients, clients * 2, args.max_tokens)))
+                    busy[system][clients].append(asyncio.run(closed_loops(server.url, mixed, clients, clients * 2, args.busy_tokens)))
             except Exception:
                 print(Path(server.log.name).read_text(errors="replace")[-2000:], file=sys.stderr)
                 raise
@@ -287,7 +287,8 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--clients", type=int, nargs="*", default=[16, 64])
-    p.add_argument("--max-tokens", type=int, default=192)
+    p.add_argument("--max-tokens", type=int, default=192, help="max_tokens of the one-stream requests")
+    p.add_argument("--busy-tokens", type=int, default=96, help="max_tokens of the concurrent requests")
     p.add_argument("--ctx-per-slot", type=int, default=1024)
     p.add_argument("--systems", nargs="+", default=SYSTEMS, choices=SYSTEMS)
     p.add_argument("--quick", action="store_true", help="two prompts per set")
