@@ -59,7 +59,7 @@ class Speculator:
     """Decides, per step, which decoding sequences verify draft tokens and which tokens."""
 
     def __init__(self, config: SpeculativeConfig, *, draft_model: DraftModel | None = None) -> None:
-        self.method = config.speculative
+        self.method = "draft" if draft_model is not None else "ngram"
         self.max_tokens = config.num_speculative_tokens
         self._n_range = (config.speculative_ngram_min, config.speculative_ngram_max)
         self._draft = draft_model
@@ -152,15 +152,17 @@ def _may_speculate(req: Request) -> bool:
     return req.params.speculative and not req.needs_prompt_logits
 
 
-
 def create_speculator(config: CllmConfig, backend: Backend) -> Speculator | None:
     """The engine's speculator, or None where speculative decoding is off or the backend cannot roll
     back KV. A draft model runs on a second backend of the same kind, with this config's other settings."""
     sc = config.speculative
-    if sc.speculative == "off" or not backend.supports_speculation:
+    method = sc.speculative
+    if method == "auto":  # where it was measured never to lose (docs/speculative.md)
+        method = "ngram" if backend.name == "llama_cpp" else "off"
+    if method == "off" or not backend.supports_speculation:
         return None
     draft = None
-    if sc.speculative == "draft":
+    if method == "draft":
         from cllm.backends.registry import create_backend
 
         draft_config = config.with_overrides(model=sc.speculative_model, speculative="off")
