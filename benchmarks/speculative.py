@@ -157,7 +157,8 @@ async def closed_loops(url: str, prompts: list[str], clients: int, requests: int
         nonlocal total
         while queue:
             i = queue.pop()
-            total += int((await one_request(client, url, prompts[i % len(prompts)], max_tokens))["tokens"])
+            tokens = int((await one_request(client, url, prompts[i % len(prompts)], max_tokens))["tokens"])
+            total += tokens  # (not `total += await ...`: that reads total before the await and loses updates)
 
     limits = httpx.Limits(max_connections=clients + 4)
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:
@@ -211,6 +212,8 @@ def run(args: argparse.Namespace) -> dict:
             finally:
                 server.stop()
             print(f"round {round_no + 1}: {system} done", file=sys.stderr, flush=True)
+    if args.json:  # the raw results first: a summary that fails must not lose a quarter-hour run
+        args.json.with_suffix(".raw.json").write_text(json.dumps({"single": single, "busy": busy}, indent=1))
     report = summarize(single, busy, sets)
     report["failures"] = failures
     return report
@@ -229,13 +232,13 @@ def summarize(single: dict[str, dict[str, list[dict]]], busy: dict[str, dict[int
     for name in sets:
         row: dict[str, float] = {}
         if "cllm-ngram" in table and "cllm" in table:
-            row["vs_cllm_off"] = table["cllm-ngram"][name] / table["cllm"][name]
+            row["vs_cllm_off"] = _ratio(table["cllm-ngram"][name], table["cllm"][name])
         if "cllm-ngram" in table and llama_spec:
             best = max(table[s][name] for s in llama_spec)
             row["llama_best"] = best
-            row["vs_llama_best"] = table["cllm-ngram"][name] / best
+            row["vs_llama_best"] = _ratio(table["cllm-ngram"][name], best)
         if "cllm-ngram" in table and "llama" in table:
-            row["vs_llama_off"] = table["cllm-ngram"][name] / table["llama"][name]
+            row["vs_llama_off"] = _ratio(table["cllm-ngram"][name], table["llama"][name])
         ratios[name] = row
     concurrency = {str(c): {s: statistics.median(v[c]) for s, v in busy.items() if v[c]} for c in next(iter(busy.values()), {})}
     for row in concurrency.values():
@@ -244,6 +247,10 @@ def summarize(single: dict[str, dict[str, list[dict]]], busy: dict[str, dict[int
     return {"one_stream_tok_s": table, "ratios": ratios, "concurrency_tok_s": concurrency,
             "texts": {s: {name: [r["text"] for r in results[: len(sets[name])]] for name, results in by.items()}
                       for s, by in single.items()}}
+
+
+def _ratio(a: float, b: float) -> float:
+    return a / b if b else 0.0  # 0: the other system never finished this set (a crash in every round)
 
 
 def add_copied(report: dict, model: str) -> None:
