@@ -22,6 +22,8 @@ NUCLEUS_CANDIDATES = 256
 # Strided groups whose maxima bound a row's k-th largest logit (top_candidates); 4096 groups
 # keep the bound within a few times k of the truth for real vocabularies (32k-256k).
 CANDIDATE_GROUPS = 4096
+# Values (rows x vocabulary) per block of _softmax_totals: 256 KiB of float32, within a core's L2.
+TOTALS_BLOCK_VALUES = 65536
 
 
 @dataclass(slots=True)
@@ -122,7 +124,8 @@ def _log_softmax(x: np.ndarray) -> np.ndarray:
 def _draw(logits: np.ndarray, rows: Sequence[SamplingRow]) -> np.ndarray:
     """One token per row. Rows that truncate (top_k, top_p, min_p) are drawn from their top
     candidates only (no full-vocabulary softmax, sort or cumsum); the rest, and any row whose
-    candidates turn out too few, take the full-distribution path."""
+    candidates turn out too few, take the full-distribution path. A nucleus row (top_p alone) whose
+    top token holds the mass by itself takes that token without looking for candidates."""
     vocab = logits.shape[1]
     chosen = np.empty(len(rows), dtype=np.int64)
     full: list[int] = []
@@ -134,7 +137,22 @@ def _draw(logits: np.ndarray, rows: Sequence[SamplingRow]) -> np.ndarray:
             full += members
             continue
         sub = logits if len(members) == len(rows) else logits[members]
-        tokens = _draw_from_candidates(sub, top_candidates(sub, k), [rows[i] for i in members], vocab)
+        sub_rows = [rows[i] for i in members]
+        totals = np.full(len(members), np.nan)
+        wide = np.flatnonzero([_is_wide_nucleus(r.params, k, vocab) for r in sub_rows])
+        if len(wide):
+            totals[wide], top = _softmax_totals(sub, wide, np.array([sub_rows[j].params.temperature for j in wide]))
+            single = np.array([sub_rows[j].params.top_p for j in wide]) * totals[wide] <= 1.0
+            for j, token in zip(wide[single].tolist(), top[single].tolist()):
+                sub_rows[j].rng.random()  # the draw that picks it, as the candidates' path would make
+                chosen[members[j]] = token
+            rest = np.setdiff1d(np.arange(len(members)), wide[single], assume_unique=True)
+            if len(rest) < len(members):
+                members, sub_rows, totals = [members[j] for j in rest], [sub_rows[j] for j in rest], totals[rest]
+                sub = sub[rest]
+            if not members:
+                continue
+        tokens = _draw_from_candidates(sub, top_candidates(sub, k), sub_rows, vocab, totals)
         for i, token in zip(members, tokens.tolist()):
             if token < 0:
                 full.append(i)
@@ -144,6 +162,12 @@ def _draw(logits: np.ndarray, rows: Sequence[SamplingRow]) -> np.ndarray:
         full.sort()
         chosen[full] = _draw_full(logits[full], [rows[i] for i in full])
     return chosen
+
+
+def _is_wide_nucleus(p: SamplingParams, k: int, vocab: int) -> bool:
+    """A top_p row whose nucleus is a share of the whole vocabulary's mass (no top_k or min_p cut
+    first): its softmax denominator spans every token."""
+    return p.top_p < 1.0 and not (p.top_k and p.top_k < vocab) and p.min_p <= 0 and k < vocab
 
 
 def _num_candidates(p: SamplingParams, vocab: int) -> int:
@@ -218,9 +242,10 @@ def _row_value_id_order(rows: np.ndarray, values: np.ndarray, ids: np.ndarray, v
     return np.argsort(key)
 
 
-def _draw_from_candidates(logits: np.ndarray, ids: np.ndarray, rows: Sequence[SamplingRow], vocab: int) -> np.ndarray:
+def _draw_from_candidates(logits: np.ndarray, ids: np.ndarray, rows: Sequence[SamplingRow], vocab: int,
+                          totals: np.ndarray) -> np.ndarray:
     """min_p -> top_k -> top_p over each row's top candidates (``ids``, largest first), then the
-    inverse-CDF draw; -1 (and no random number used) for a row whose candidates cannot hold the
+    inverse-CDF draw (``totals``: the softmax denominators of the wide nucleus rows, _softmax_totals); -1 (and no random number used) for a row whose candidates cannot hold the
     answer. Every step is a row-wise array operation, so a row's token never depends on its
     batch-mates."""
     n, k = ids.shape
@@ -244,9 +269,8 @@ def _draw_from_candidates(logits: np.ndarray, ids: np.ndarray, rows: Sequence[Sa
     nucleus = np.flatnonzero(top_p < 1.0)
     if len(nucleus):
         total = cum[nucleus, -1]
-        wide = nucleus[~complete[nucleus]]  # their softmax denominator spans the whole vocabulary
-        if len(wide):
-            total[~complete[nucleus]] = _partition_sums(logits, wide, top_logits[wide, 0], temps[wide, 0])
+        wide = ~complete[nucleus]  # their softmax denominator spans the whole vocabulary
+        total[wide] = totals[nucleus[wide]]
         mass = top_p[nucleus] * total
         ok[nucleus] &= cum[nucleus, -1] >= mass  # else a very flat distribution: the nucleus reaches beyond
         last[nucleus] = np.minimum(last[nucleus], np.count_nonzero(cum[nucleus] < mass[:, None], axis=1))
@@ -258,18 +282,23 @@ def _draw_from_candidates(logits: np.ndarray, ids: np.ndarray, rows: Sequence[Sa
     return np.where(ok, ids[np.arange(n), picked], -1)
 
 
-def _partition_sums(logits: np.ndarray, rows: np.ndarray, maxima: np.ndarray, temperatures: np.ndarray) -> np.ndarray:
-    """For the given rows (and their max logits), sum(exp((logits - max) / T)) over the whole
-    vocabulary: the softmax denominator relative to the top token's weight of 1. A row at a time
-    through one buffer (a row fits the cache; whole-batch temporaries took 1.7x as long), summed in
-    float32 (pairwise: ~1e-7 relative, far below what a nucleus boundary resolves)."""
-    sums = np.empty(len(rows))
-    z = np.empty(logits.shape[1], dtype=np.float32)
-    for i, (r, top, temperature) in enumerate(zip(rows.tolist(), maxima.tolist(), temperatures.tolist())):
-        np.subtract(logits[r], np.float32(top), out=z)
-        z /= np.float32(temperature)
-        sums[i] = np.exp(z, out=z).sum()
-    return sums
+def _softmax_totals(logits: np.ndarray, rows: np.ndarray, temperatures: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For the given rows: sum(exp((logits - max) / T)) over the whole vocabulary (the softmax
+    denominator relative to the top token's weight of 1), and the top token (lowest id among ties).
+    In blocks of rows that fit the cache (whole-batch temporaries of a large vocabulary took 2.7x as
+    long), elementwise per row and summed along each row in float32 (pairwise: ~1e-7 relative, far
+    below what a nucleus boundary resolves), so a row's total never depends on its batch-mates."""
+    vocab = logits.shape[1]
+    sums, top = np.empty(len(rows)), np.empty(len(rows), dtype=np.int64)
+    block = max(1, TOTALS_BLOCK_VALUES // vocab)
+    for s in range(0, len(rows), block):
+        picked = rows[s:s + block]
+        z = logits[picked]  # a copy, worked on in place
+        top[s:s + block] = z.argmax(axis=1)
+        z -= z[np.arange(len(picked)), top[s:s + block]][:, None]
+        z /= temperatures[s:s + block, None].astype(np.float32)
+        sums[s:s + block] = np.exp(z, out=z).sum(axis=1)
+    return sums, top
 
 
 def _draw_full(logits: np.ndarray, rows: Sequence[SamplingRow]) -> np.ndarray:

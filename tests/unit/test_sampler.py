@@ -165,3 +165,37 @@ def test_candidate_draws_do_not_depend_on_batch_mates():
         alone = [sample(logits[i:i + 1].copy(), [row(p, seed)])[0].token_id for i, p in enumerate(truncating)]
         together = [s.token_id for s in sample(logits.copy(), [row(p, seed) for p in truncating])]
         assert together == alone
+
+
+def test_nucleus_held_by_the_top_token_alone_takes_it_with_one_draw_whatever_the_batch():
+    """A top_p row whose top token holds the mass by itself takes that token (lowest id among ties) and
+    uses exactly one draw of its generator, as every sampled token does; a batch mixing such rows with
+    rows that need candidates gives each row what it gets alone."""
+    rng = np.random.default_rng(3)
+    vocab = 5000
+    logits = rng.normal(size=(6, vocab)).astype(np.float32)
+    logits[0, 17] += 14.0  # ~99.9 % at T=0.8: the nucleus is token 17 alone
+    logits[1, 4000] += 14.0
+    logits[2, 9] += 4.0  # a few % only: the nucleus needs candidates
+    params = [SamplingParams(temperature=0.8, top_p=0.95, seed=1), SamplingParams(temperature=0.8, top_p=0.95),
+              SamplingParams(temperature=0.8, top_p=0.95), SamplingParams(temperature=1.2, top_p=0.5),
+              SamplingParams(temperature=0.8, top_p=0.95, top_k=50), SamplingParams(temperature=1.0)]
+    for seed in range(10):
+        rows = [row(p, seed) for p in params]
+        together = [s.token_id for s in sample(logits.copy(), rows)]
+        alone = [sample(logits[i:i + 1].copy(), [row(p, seed)])[0].token_id for i, p in enumerate(params)]
+        assert together == alone
+        assert together[:2] == [17, 4000]
+        once = np.random.default_rng(seed)
+        once.random()
+        assert rows[0].rng.random() == once.random()  # one draw used, no more
+
+
+def test_top_p_frequencies_follow_the_nucleus_on_a_large_vocabulary():
+    """Where the top token alone does not hold the mass, the draw spreads over the nucleus exactly."""
+    vocab = 3000
+    logits = np.full(vocab, -20.0, dtype=np.float32)
+    logits[[5, 70, 2500]] = np.log([0.6, 0.3, 0.1])
+    tokens = draw_many(logits, SamplingParams(temperature=1.0, top_p=0.85))
+    assert set(tokens) == {5, 70}
+    assert abs(np.mean(tokens == 5) - 2 / 3) < 0.03
