@@ -46,7 +46,7 @@ def export_request(engine: LLMEngine, request_id: str) -> tuple[RequestSnapshot,
     snap = RequestSnapshot(
         request_id=request_id, prompt=group.prompt, prompt_token_ids=list(req.prompt_token_ids),
         output_token_ids=list(req.output_token_ids), params=req.params, max_tokens=req.max_tokens,
-        num_computed_tokens=req.num_computed_tokens, rng_state=engine._rngs[request_id].bit_generator.state,
+        num_computed_tokens=req.num_computed_tokens, rng_state=engine.rng_of(request_id).bit_generator.state,
         backend=engine.backend.name, model=model_identity(engine), priority=req.priority,
         output_logprobs=list(req.output_logprobs), num_cached_tokens=req.num_cached_tokens,
         scores_prompt=req.scores_prompt, prompt_logprobs=list(req.prompt_logprobs),
@@ -56,7 +56,7 @@ def export_request(engine: LLMEngine, request_id: str) -> tuple[RequestSnapshot,
     )
     engine._groups.pop(request_id, None)
     engine._group_of.pop(request_id, None)
-    engine._rngs.pop(request_id, None)
+    engine._rows.pop(request_id, None)
     engine.structured.remove(request_id)
     if engine.speculator is not None:
         engine.speculator.remove(request_id)
@@ -80,7 +80,7 @@ def import_request(engine: LLMEngine, snap: RequestSnapshot, segments: list[byte
     group.replay()
     engine._groups[snap.request_id] = group
     engine._group_of[snap.request_id] = (group, 0)
-    engine._rngs[snap.request_id] = rng
+    engine.keep_sampling_row(req, rng)
     engine.structured.add(req)  # a constrained request's matcher replays its output tokens at the next step
     engine.scheduler.add(req)
     return snap.request_id

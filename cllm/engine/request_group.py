@@ -93,9 +93,7 @@ class RequestGroup:
         if logprobs is not None:
             new_logprobs = logprobs[self._sent_logprobs[i]:]
             self._sent_logprobs[i] = len(logprobs)
-        return CompletionOutput(
-            index=i, text=detok.text, token_ids=list(tokens) if group_finished else [],
-            finish_reason=child.status.finish_reason, stop_reason=child.stop_reason,
-            logprobs=list(logprobs) if logprobs is not None and group_finished else None,
-            text_delta=detok.take_delta(), token_ids_delta=new_tokens, logprobs_delta=new_logprobs,
-        )
+        return CompletionOutput(  # positional: half the time of keywords, for every token of every stream
+            i, detok.text, list(tokens) if group_finished else [], child.status.finish_reason, child.stop_reason,
+            list(logprobs) if logprobs is not None and group_finished else None, detok.take_delta(), new_tokens,
+            new_logprobs)

@@ -57,10 +57,11 @@ def sample(logits: np.ndarray, rows: Sequence[SamplingRow]) -> list[SampledToken
     _apply_biases_and_penalties(logits, rows)
     logprob_rows = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
     logprobs = _log_softmax(logits[logprob_rows]) if logprob_rows else None
-    chosen = np.empty(len(rows), dtype=np.int64)
-    greedy = np.array([r.params.greedy for r in rows], dtype=bool)
-    if greedy.all():
+    greedy_rows = [r.params.greedy for r in rows]
+    if all(greedy_rows):
         return _results(logits.argmax(axis=1), rows, logprob_rows, logprobs)
+    chosen = np.empty(len(rows), dtype=np.int64)
+    greedy = np.array(greedy_rows, dtype=bool)
     if greedy.any():
         chosen[greedy] = logits[greedy].argmax(axis=1)
     stochastic = np.flatnonzero(~greedy)
@@ -77,7 +78,8 @@ def _apply_biases_and_penalties(logits: np.ndarray, rows: Sequence[SamplingRow])
         if p.logit_bias:
             ids = np.fromiter(p.logit_bias.keys(), dtype=np.int64)
             logits[i, ids] += np.fromiter(p.logit_bias.values(), dtype=np.float32)
-    _apply_penalties(logits, rows)
+    if any(r.params.has_penalties for r in rows):
+        _apply_penalties(logits, rows)
     for i, row in enumerate(rows):
         if len(row.output_token_ids) < row.params.min_tokens and row.stop_ids:
             _suppress_stop(logits[i], list(row.stop_ids))
@@ -139,15 +141,17 @@ def _draw(logits: np.ndarray, rows: Sequence[SamplingRow]) -> np.ndarray:
         sub = logits if len(members) == len(rows) else logits[members]
         sub_rows = [rows[i] for i in members]
         totals = np.full(len(members), np.nan)
-        wide = np.flatnonzero([_is_wide_nucleus(r.params, k, vocab) for r in sub_rows])
+        wide = np.array([j for j, r in enumerate(sub_rows) if _is_wide_nucleus(r.params, k, vocab)], dtype=np.int64)
         if len(wide):
-            totals[wide], top = _softmax_totals(sub, wide, np.array([sub_rows[j].params.temperature for j in wide]))
-            single = np.array([sub_rows[j].params.top_p for j in wide]) * totals[wide] <= 1.0
-            for j, token in zip(wide[single].tolist(), top[single].tolist()):
-                sub_rows[j].rng.random()  # the draw that picks it, as the candidates' path would make
-                chosen[members[j]] = token
-            rest = np.setdiff1d(np.arange(len(members)), wide[single], assume_unique=True)
-            if len(rest) < len(members):
+            single, top = _single_token_nuclei(sub, wide, [sub_rows[j].params for j in wide], totals)
+            picked = wide[single]
+            for j in picked.tolist():
+                sub_rows[j].rng.random()  # the draw that picks the top token, as the candidates' path would make
+            chosen[np.asarray(members)[picked]] = top[single]
+            if len(picked):
+                keep = np.ones(len(members), dtype=bool)
+                keep[picked] = False
+                rest = np.flatnonzero(keep)
                 members, sub_rows, totals = [members[j] for j in rest], [sub_rows[j] for j in rest], totals[rest]
                 sub = sub[rest]
             if not members:
@@ -162,6 +166,35 @@ def _draw(logits: np.ndarray, rows: Sequence[SamplingRow]) -> np.ndarray:
         full.sort()
         chosen[full] = _draw_full(logits[full], [rows[i] for i in full])
     return chosen
+
+
+def _single_token_nuclei(logits: np.ndarray, wide: np.ndarray, params: Sequence[SamplingParams],
+                         totals: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For the wide nucleus rows ``wide`` of ``logits``: whether the top token alone holds the
+    nucleus's mass (1 >= top_p * total, the top token's weight being 1), and the top token (lowest
+    id among ties). The total is bounded first by 1 + (vocab - 1) * the second token's weight, which
+    settles a peaked row with two passes over it; only the other rows compute their exact totals,
+    written to ``totals`` (for _draw_from_candidates). The bound keeps a 1e-6 margin, more than the
+    float32 sums' rounding, so it never answers differently from the exact total."""
+    whole = len(wide) == len(logits)
+    x = logits if whole else logits[wide]  # the rows themselves (their top values put back below), or a copy
+    n, vocab = x.shape
+    temps = np.array([p.temperature for p in params])
+    top_p = np.array([p.top_p for p in params])
+    top = x.argmax(axis=1)
+    at_top = (np.arange(n), top)
+    best = x[at_top]
+    x[at_top] = -np.inf
+    second = x.max(axis=1).astype(np.float64)
+    x[at_top] = best
+    best = best.astype(np.float64)
+    single = top_p * (1.0 + (vocab - 1) * np.exp((second - best) / temps)) * (1 + 1e-6) <= 1.0
+    if not single.all():
+        unsure = np.flatnonzero(~single)
+        exact, _ = _softmax_totals(logits, wide[unsure], temps[unsure])
+        totals[wide[unsure]] = exact
+        single[unsure] = top_p[unsure] * exact <= 1.0
+    return single, top
 
 
 def _is_wide_nucleus(p: SamplingParams, k: int, vocab: int) -> bool:

@@ -47,6 +47,7 @@ class HFTokenizer(Tokenizer):
         # must not append "<|im_end|>" to the output, nor may a grammar spell text with them.
         self._special = frozenset(hf_tokenizer.all_special_ids) | frozenset(
             i for i, t in added.items() if getattr(t, "special", False))
+        self._bytes_of: dict[int, bytes] = {}  # token_bytes, filled as ids are asked for
 
     @classmethod
     def load(cls, directory: Path, *, gguf_file: str | None, vocab_size: int, extra_eos_ids: Iterable[int] = ()) -> HFTokenizer:
@@ -76,6 +77,13 @@ class HFTokenizer(Tokenizer):
         return self._tok.decode(list(token_ids), skip_special_tokens=False)
 
     def token_bytes(self, token_id: int) -> bytes:
+        """Cached per id: every streamed token asks (the lookup below took several µs a token)."""
+        data = self._bytes_of.get(token_id)
+        if data is None:
+            data = self._bytes_of[token_id] = self._token_bytes(token_id)
+        return data
+
+    def _token_bytes(self, token_id: int) -> bytes:
         if token_id in self._special:
             return b""
         piece = self._tok.convert_ids_to_tokens(int(token_id))
