@@ -12,6 +12,7 @@ import asyncio
 import collections
 import contextlib
 import ctypes
+import functools
 import itertools
 import logging
 import queue
@@ -74,6 +75,19 @@ PUBLISH_EVERY_S = 0.05
 # after a fixed number of steps instead cost a GPU server at 256 streams a quarter of its throughput
 # (the loop is routinely a few 5 ms steps behind there).
 MAX_BEHIND_S = 0.2
+# A hand-over counts as taken once the loop has run this many iterations after queueing it: the items
+# wake each request's generator (the server's pump task), which wakes the response's writer, which
+# sends. Counting it taken when merely queued (the loop had not yet written anything) let an engine
+# thread whose steps hold the GIL hand over every step: at 256 streams over a zero-cost backend the
+# loop sent one SSE event per token (~230 per 256-token request; 25-30 µs of loop each).
+SETTLE_ITERATIONS = 3
+# Nor does the engine hand over to a loop that has been free for less time than it took over the
+# previous hand-over (at most COALESCE_MAX_S): when the two share the GIL they otherwise alternate
+# step by step, every step's tokens one SSE event each (top-p sampling releases the GIL inside numpy, so
+# the loop kept up: one event a token at 64 and 256 streams, 26 k tok/s). Waiting that long, a stream's
+# tokens reach the loop several at a time exactly when the loop costs as much as the engine; a step
+# longer than the loop's work (one stream, a GPU forward) hands over at every step as before.
+COALESCE_MAX_S = 0.05
 AHEAD_WAIT_S = 0.05
 BURST_QUIET_S = 0.001
 BURST_EXPECT_QUIET_S = 0.025
@@ -98,6 +112,14 @@ class _Outbox:
     held: dict[str, tuple[asyncio.Queue, RequestOutput]]  # request id -> its queue and its (merged) output
     free: threading.Event  # set once the loop has run the last hand-over (none outstanding)
     sent_at: float = 0.0  # time.monotonic() of the last hand-over
+    busy_s: float = 0.0  # how long the loop took over the last hand-over, to its SETTLE_ITERATIONS-th iteration
+    freed_at: float = 0.0  # time.monotonic() when it had
+
+    def settled(self, started: float) -> None:
+        """On the loop: the hand-over queued at ``started`` (time.monotonic()) has gone through."""
+        self.freed_at = time.monotonic()
+        self.busy_s = min(self.freed_at - started, COALESCE_MAX_S)
+        self.free.set()
 
 
 @dataclass(slots=True)
@@ -366,12 +388,14 @@ class AsyncLLM:
         if not force and not box.free.is_set():
             if time.monotonic() - box.sent_at < MAX_BEHIND_S or not box.free.wait(AHEAD_WAIT_S):
                 return  # still behind: keep merging (one output per request, however many steps)
+        elif not force and time.monotonic() - box.freed_at < box.busy_s:
+            return  # the loop is free, but not yet for as long as it took over the last hand-over: keep merging
         items = list(box.held.values())
         box.held.clear()
         self._holding.pop(loop, None)
         box.free.clear()
         box.sent_at = time.monotonic()
-        loop.call_soon_threadsafe(_put_all, items, box.free)
+        loop.call_soon_threadsafe(_put_all, items, box)
 
     def _flush_outboxes(self) -> None:
         """Hand over everything held (the engine is going idle: no later step would)."""
@@ -679,14 +703,25 @@ def _name_os_thread(name: str) -> None:
         pass
 
 
-def _put_all(items: list[tuple[asyncio.Queue, Any]], done: threading.Event | None) -> None:
-    """On the caller's loop: queue a hand-over's items, then tell the engine thread it was taken."""
+def _put_all(items: list[tuple[asyncio.Queue, Any]], box: _Outbox | None) -> None:
+    """On the caller's loop: queue a hand-over's items, then tell the engine thread, once the loop has
+    run SETTLE_ITERATIONS more times, that it was taken and how long that took (see COALESCE_MAX_S)."""
+    started = time.monotonic()
     try:
         for queue_, item in items:
             queue_.put_nowait(item)
     finally:
-        if done is not None:
-            done.set()
+        if box is not None:
+            _after_iterations(asyncio.get_running_loop(), SETTLE_ITERATIONS, functools.partial(box.settled, started))
+
+
+def _after_iterations(loop: asyncio.AbstractEventLoop, n: int, callback: Callable[[], None]) -> None:
+    """Run ``callback`` after ``n`` more iterations of ``loop`` (each call_soon runs in the next one, after
+    the callbacks already scheduled, such as the task wake-ups the items above caused)."""
+    if n <= 0:
+        callback()
+    else:
+        loop.call_soon(_after_iterations, loop, n - 1, callback)
 
 
 def _take_all(jobs: queue.SimpleQueue[_EmbedJob]) -> list[_EmbedJob]:

@@ -41,7 +41,7 @@ def _chat_request(body: CountTokensRequest) -> ChatCompletionRequest:
                               "tool_choice": choice, "parallel_tool_calls": parallel}
     if isinstance(body, MessagesRequest):
         fields.update(max_completion_tokens=body.max_tokens, temperature=body.temperature, top_p=body.top_p,
-                      top_k=body.top_k, stop=body.stop_sequences, stream=body.stream,
+                      top_k=body.top_k, stop=body.stop_sequences, stream=body.stream, speculative=body.speculative,
                       user=(body.metadata or {}).get("user_id") if isinstance((body.metadata or {}).get("user_id"), str) else None)
     return ChatCompletionRequest.model_construct(**fields)
 

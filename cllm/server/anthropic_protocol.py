@@ -50,3 +50,5 @@ class MessagesRequest(CountTokensRequest):
     top_k: int | None = None
     stream: bool | None = None
     metadata: dict[str, Any] | None = None
+    # Extension (as on chat completions).
+    speculative: bool | None = Field(None, description="false: no speculative decoding for this request (default: the server's setting)")

@@ -293,6 +293,7 @@ def _chat_request(body: ResponsesRequest, convo: list[dict[str, Any]]) -> ChatCo
         temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p, seed=body.seed,
         stop=body.stop, presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
         repetition_penalty=body.repetition_penalty, priority=body.priority, stream=body.stream,
+        speculative=body.speculative,
     )
 
 

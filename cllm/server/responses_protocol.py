@@ -70,6 +70,7 @@ class ResponsesRequest(_Request):
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
     priority: int | None = Field(None, description="lower runs first under the priority scheduling policy")
+    speculative: bool | None = Field(None, description="false: no speculative decoding for this request (default: the server's setting)")
 
     def unsupported(self) -> tuple[str, str] | None:
         """(param, why) for the first field set to something this server cannot do."""

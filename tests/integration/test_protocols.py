@@ -163,3 +163,37 @@ def test_messages_errors_are_anthropic_shaped(server: ServerProcess):
     assert err.value.body["type"] == "error" and "messages.0.content.0.type" in err.value.body["error"]["message"]
     with pytest.raises(anthropic.NotFoundError):
         client.messages.create(model="claude-nonexistent", max_tokens=10, messages=[{"role": "user", "content": "x"}])
+
+
+# ---- speculative decoding, per request -----------------------------------------------------------
+
+COPY = ("Repeat the following text exactly: The quick brown fox jumps over the lazy dog, and the lazy dog "
+        "sleeps by the quiet river bank all day long.")
+
+
+def _drafted(server: ServerProcess) -> float:
+    """Draft tokens the server's engine has verified so far (/metrics)."""
+    text = server.http().get("/metrics").text
+    line = next(x for x in text.splitlines() if x.startswith("cllm_spec_decode_num_draft_tokens_total "))
+    return float(line.split()[1])
+
+
+def test_speculative_false_turns_drafting_off_on_every_endpoint(server: ServerProcess):
+    """The server drafts (n-gram, llama.cpp's default) for a copying request; ``"speculative": false``
+    in the body turns it off for that request on each of the four generation endpoints."""
+    chat_msgs = [{"role": "user", "content": COPY}]
+    bodies = {
+        "/v1/completions": {"prompt": COPY + "\n", "max_tokens": 40, "temperature": 0},
+        "/v1/chat/completions": {"messages": chat_msgs, "max_tokens": 40, "temperature": 0},
+        "/v1/responses": {"input": COPY, "max_output_tokens": 40, "temperature": 0},
+        "/v1/messages": {"messages": chat_msgs, "max_tokens": 40, "temperature": 0},
+    }
+    with server.http() as http:
+        before = _drafted(server)
+        for path, body in bodies.items():
+            res = http.post(path, json={"model": MODEL, **body, "speculative": False})
+            assert res.status_code == 200, (path, res.text)
+            assert _drafted(server) == before, path
+        res = http.post("/v1/chat/completions", json={"model": MODEL, **bodies["/v1/chat/completions"]})
+        assert res.status_code == 200
+    assert _drafted(server) > before  # the same request without the field drafts
