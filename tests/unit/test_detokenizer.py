@@ -10,8 +10,8 @@ from tests.unit.fakes import ByteTokenizer
 EURO = [60, 61, 62]  # the three bytes of "€"
 
 
-def stream(tokens, **kw):
-    d = IncrementalDetokenizer(ByteTokenizer(), **kw)
+def stream(tokens, tokenizer=None, **kw):
+    d = IncrementalDetokenizer(tokenizer or ByteTokenizer(), **kw)
     deltas = []
     for t in tokens:
         d.add_token(t)
@@ -77,12 +77,6 @@ def test_text_equals_a_whole_decode_with_replacement_for_any_bytes(tokens):
 
 @given(st.lists(st.integers(0, len(_Pieces.PIECES) - 1), max_size=30))
 def test_multi_byte_pieces_decode_as_the_whole_stream(tokens):
-    d = IncrementalDetokenizer(_Pieces())
-    streamed = []
-    for t in tokens:
-        d.add_token(t)
-        streamed.append(d.take_delta())
-    d.finish()
-    streamed.append(d.take_delta())
+    d, streamed = stream(tokens, _Pieces())
     whole = b"".join(_Pieces.PIECES[t] for t in tokens).decode("utf-8", errors="replace")
     assert d.text == whole and "".join(streamed) == whole
