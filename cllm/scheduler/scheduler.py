@@ -9,6 +9,7 @@ backend can save state) and resumes later from the waiting queue.
 """
 from __future__ import annotations
 
+import heapq
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -58,6 +59,10 @@ class Scheduler:
         self.swap = config.preemption_mode == "swap" and backend.supports_state_swap
         self.waiting = WaitingQueue(config.policy)
         self.running: list[Request] = []
+        self._running_sorted = True  # running is in policy order (admissions append out of it)
+        # (deadline, arrival, request) of requests with a deadline, earliest first; finished ones are
+        # dropped when they come up (a step looks only at the earliest, not at every request)
+        self._deadlines: list[tuple[float, int, Request]] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
         self._arrivals = 0
@@ -76,6 +81,11 @@ class Scheduler:
         req.status = RequestStatus.WAITING
         self.requests[req.request_id] = req
         self.waiting.push(req)
+        if req.deadline is not None:
+            if len(self._deadlines) > 2 * len(self.requests) + 64:  # mostly ended requests: keep the live ones
+                self._deadlines = [e for e in self._deadlines if self.requests.get(e[2].request_id) is e[2]]
+                heapq.heapify(self._deadlines)
+            heapq.heappush(self._deadlines, (req.deadline, req.arrival_seq, req))
 
     def finish(self, req: Request, status: RequestStatus, error: str | None = None) -> None:
         """Move a request to a final status and give its slot and KV back. Idempotent."""
@@ -133,9 +143,12 @@ class Scheduler:
                 out.num_tokens += len(draft)
 
     def _expire(self, out: SchedulerOutput, now: float) -> None:
-        for req in [r for r in self.requests.values() if r.deadline is not None and now >= r.deadline]:
-            self.finish(req, RequestStatus.FINISHED_TIMEOUT, "request timed out")
-            out.finished.append(req)
+        deadlines = self._deadlines
+        while deadlines and deadlines[0][0] <= now:
+            req = heapq.heappop(deadlines)[2]
+            if self.requests.get(req.request_id) is req:  # still live here (not finished, not handed off)
+                self.finish(req, RequestStatus.FINISHED_TIMEOUT, "request timed out")
+                out.finished.append(req)
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         """Decodes first, in policy order, then the chunks of prompts still being prefilled (a
@@ -143,7 +156,9 @@ class Scheduler:
         budget running decodes need: a decode waits at most one step, whose prefill part the token
         budget bounds (issue 8: a high-priority or recomputing prefill used to skip every decode
         ranked after it for as many steps as its prompt had chunks)."""
-        self.running.sort(key=self.waiting.sort_key)
+        if not self._running_sorted:  # (a sort's key calls were 6 % of a 256-sequence step)
+            self.running.sort(key=self.waiting.sort_key)
+            self._running_sorted = True
         decoding: list[Request] = []
         prefilling: list[Request] = []
         for r in self.running:
@@ -239,6 +254,7 @@ class Scheduler:
             self.waiting.pop()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
+            self._running_sorted = False
             out.add(self._chunk(req, n))
             budget -= n
 
@@ -373,7 +389,8 @@ class Scheduler:
 
     def preempt_for_kv(self, request_ids: list[str]) -> Request | None:
         """llama_decode found no KV room: preempt the lowest-ranked of the batch's sequences."""
-        candidates = [r for r in self.running if r.request_id in set(request_ids)]
+        ids = set(request_ids)
+        candidates = [r for r in self.running if r.request_id in ids]
         if not candidates:
             return None
         victim = max(candidates, key=self.waiting.sort_key)

@@ -292,3 +292,38 @@ def test_observe_step_averages_the_cost_per_token():
     sched.observe_step(100, 0.2)
     assert sched.seconds_per_token == pytest.approx(0.001 + 0.2 * 0.001)
     assert sched._prefill_while_decoding(4) == sched.prefill_chunk  # no stall bound: the chunk alone
+
+
+def test_kv_pressure_preempts_the_lowest_priority_even_when_it_was_admitted_first():
+    """A request admitted later with a higher priority ranks first from the next step on (the running
+    list is re-sorted after admissions), so running out of KV preempts the earlier, lower one."""
+    engine, _ = make_engine(FakeBackend(slots=2, kv_tokens=24), policy="priority")
+    params = SamplingParams(max_tokens=15, temperature=0)
+    engine.add_request([1, 2, 3, 4, 5], params, request_id="low", priority=5)
+    engine.step()
+    engine.add_request([10, 11, 12, 13, 14], params, request_id="high", priority=0)
+    preempted = []
+    while engine.has_unfinished() and not preempted:
+        engine.step()
+        preempted = [r.request_id for r in engine.scheduler.waiting]
+    assert preempted == ["low"]
+    final = run_all(engine)
+    assert final["high"].outputs[0].token_ids == [(15 + i) % 64 for i in range(15)]
+
+
+def test_deadlines_end_only_expired_requests_and_ended_ones_are_not_kept():
+    engine, backend = make_engine(FakeBackend(slots=4))
+    for i in range(300):  # requests with a far deadline, each run to its end
+        engine.add_request([1 + i % 50], SamplingParams(max_tokens=1, temperature=0), request_id=f"r{i}", timeout_s=600)
+        run_all(engine)
+    assert len(engine.scheduler._deadlines) <= 2 * len(engine.scheduler.requests) + 65
+    engine.add_request([2], SamplingParams(max_tokens=50, temperature=0), request_id="late", timeout_s=0.2)
+    engine.add_request([3], SamplingParams(max_tokens=3, temperature=0), request_id="quick", timeout_s=0.2)
+    outs = {}
+    for _ in range(4):  # "quick" ends well before its deadline
+        outs.update({o.request_id: o for o in engine.step() if o.finished})
+    assert outs["quick"].outputs[0].finish_reason == "length"
+    time.sleep(0.25)
+    outs = run_all(engine)  # only "late" is still there to time out
+    assert outs["late"].outputs[0].finish_reason == "timeout"
+    assert backend.held == {}
