@@ -126,37 +126,52 @@ def _log_softmax(x: np.ndarray) -> np.ndarray:
 def _draw(logits: np.ndarray, rows: Sequence[SamplingRow]) -> np.ndarray:
     """One token per row. Rows that truncate (top_k, top_p, min_p) are drawn from their top
     candidates only (no full-vocabulary softmax, sort or cumsum); the rest, and any row whose
-    candidates turn out too few, take the full-distribution path. A nucleus row (top_p alone) whose
-    top token holds the mass by itself takes that token without looking for candidates."""
+    candidates turn out too few, take the full-distribution path. A nucleus row whose softmax spans
+    the whole vocabulary (top_p without a top_k or min_p cut) and whose top token holds the mass by
+    itself takes that token without looking for candidates. One pass over the rows sorts them out
+    (a function call per row and pass was a tenth of a 256-row step)."""
     vocab = logits.shape[1]
+    nucleus_k = min(NUCLEUS_CANDIDATES, vocab)
     chosen = np.empty(len(rows), dtype=np.int64)
     full: list[int] = []
     groups: dict[int, list[int]] = {}
+    wide: list[int] = []
+    temps: list[float] = []
+    top_ps: list[float] = []
     for i, row in enumerate(rows):
-        groups.setdefault(_num_candidates(row.params, vocab), []).append(i)
+        p = row.params
+        if p.top_k and p.top_k < vocab:
+            k = p.top_k
+        elif p.top_p < 1.0:
+            k = nucleus_k
+            if p.min_p <= 0 and k < vocab:  # its nucleus is a share of the whole vocabulary's mass
+                wide.append(i)
+                temps.append(p.temperature)
+                top_ps.append(p.top_p)
+                continue
+        elif p.min_p > 0:
+            k = nucleus_k
+        else:
+            k = 0
+        groups.setdefault(k, []).append(i)
+    totals: dict[int, float] = {}  # row -> its softmax denominator (wide rows that need candidates)
+    if wide:
+        index = np.array(wide, dtype=np.int64)
+        single, top, exact = _single_token_nuclei(logits, index, np.array(temps), np.array(top_ps))
+        chosen[index[single]] = top[single]
+        for j in np.flatnonzero(single).tolist():
+            rows[wide[j]].rng.random()  # the draw that picks the top token, as the candidates' path would make
+        rest = np.flatnonzero(~single).tolist()
+        if rest:
+            totals = dict(zip([wide[j] for j in rest], exact[rest].tolist()))
+            groups[nucleus_k] = sorted(groups.get(nucleus_k, []) + [wide[j] for j in rest])
     for k, members in groups.items():
         if k == 0:
             full += members
             continue
         sub = logits if len(members) == len(rows) else logits[members]
-        sub_rows = [rows[i] for i in members]
-        totals = np.full(len(members), np.nan)
-        wide = np.array([j for j, r in enumerate(sub_rows) if _is_wide_nucleus(r.params, k, vocab)], dtype=np.int64)
-        if len(wide):
-            single, top = _single_token_nuclei(sub, wide, [sub_rows[j].params for j in wide], totals)
-            picked = wide[single]
-            for j in picked.tolist():
-                sub_rows[j].rng.random()  # the draw that picks the top token, as the candidates' path would make
-            chosen[np.asarray(members)[picked]] = top[single]
-            if len(picked):
-                keep = np.ones(len(members), dtype=bool)
-                keep[picked] = False
-                rest = np.flatnonzero(keep)
-                members, sub_rows, totals = [members[j] for j in rest], [sub_rows[j] for j in rest], totals[rest]
-                sub = sub[rest]
-            if not members:
-                continue
-        tokens = _draw_from_candidates(sub, top_candidates(sub, k), sub_rows, vocab, totals)
+        row_totals = np.array([totals.get(i, np.nan) for i in members])
+        tokens = _draw_from_candidates(sub, top_candidates(sub, k), [rows[i] for i in members], vocab, row_totals)
         for i, token in zip(members, tokens.tolist()):
             if token < 0:
                 full.append(i)
@@ -168,19 +183,18 @@ def _draw(logits: np.ndarray, rows: Sequence[SamplingRow]) -> np.ndarray:
     return chosen
 
 
-def _single_token_nuclei(logits: np.ndarray, wide: np.ndarray, params: Sequence[SamplingParams],
-                         totals: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """For the wide nucleus rows ``wide`` of ``logits``: whether the top token alone holds the
-    nucleus's mass (1 >= top_p * total, the top token's weight being 1), and the top token (lowest
-    id among ties). The total is bounded first by 1 + (vocab - 1) * the second token's weight, which
-    settles a peaked row with two passes over it; only the other rows compute their exact totals,
-    written to ``totals`` (for _draw_from_candidates). The bound keeps a 1e-6 margin, more than the
-    float32 sums' rounding, so it never answers differently from the exact total."""
+def _single_token_nuclei(logits: np.ndarray, wide: np.ndarray, temps: np.ndarray,
+                         top_p: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """For the wide nucleus rows ``wide`` of ``logits`` (their temperatures and top_p): whether the top
+    token alone holds the nucleus's mass (1 >= top_p * total, the top token's weight being 1), the top
+    token (lowest id among ties), and the exact total of every row that the bound did not settle (NaN
+    for the others). The total is bounded first by 1 + (vocab - 1) * the second token's weight, which
+    settles a peaked row with two passes over it; only the other rows compute their exact totals. The
+    bound keeps a 1e-6 margin, more than the float32 sums' rounding, so it never answers differently
+    from the exact total."""
     whole = len(wide) == len(logits)
     x = logits if whole else logits[wide]  # the rows themselves (their top values put back below), or a copy
     n, vocab = x.shape
-    temps = np.array([p.temperature for p in params])
-    top_p = np.array([p.top_p for p in params])
     top = x.argmax(axis=1)
     at_top = (np.arange(n), top)
     best = x[at_top]
@@ -189,27 +203,12 @@ def _single_token_nuclei(logits: np.ndarray, wide: np.ndarray, params: Sequence[
     x[at_top] = best
     best = best.astype(np.float64)
     single = top_p * (1.0 + (vocab - 1) * np.exp((second - best) / temps)) * (1 + 1e-6) <= 1.0
+    totals = np.full(n, np.nan)
     if not single.all():
         unsure = np.flatnonzero(~single)
-        exact, _ = _softmax_totals(logits, wide[unsure], temps[unsure])
-        totals[wide[unsure]] = exact
-        single[unsure] = top_p[unsure] * exact <= 1.0
-    return single, top
-
-
-def _is_wide_nucleus(p: SamplingParams, k: int, vocab: int) -> bool:
-    """A top_p row whose nucleus is a share of the whole vocabulary's mass (no top_k or min_p cut
-    first): its softmax denominator spans every token."""
-    return p.top_p < 1.0 and not (p.top_k and p.top_k < vocab) and p.min_p <= 0 and k < vocab
-
-
-def _num_candidates(p: SamplingParams, vocab: int) -> int:
-    """How many top tokens a row can be drawn from; 0 = it needs the whole distribution."""
-    if p.top_k and p.top_k < vocab:
-        return p.top_k
-    if p.top_p < 1.0 or p.min_p > 0:
-        return min(NUCLEUS_CANDIDATES, vocab)
-    return 0
+        totals[unsure], _ = _softmax_totals(logits, wide[unsure], temps[unsure])
+        single[unsure] = top_p[unsure] * totals[unsure] <= 1.0
+    return single, top, totals
 
 
 def top_candidates(logits: np.ndarray, k: int) -> np.ndarray:
