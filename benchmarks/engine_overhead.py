@@ -6,8 +6,8 @@ step and per token is what keeps a server from its forward pass's speed. This me
 machine, without a GPU:
 
 - engine: an ``LLMEngine`` over a ``NullBackend`` with B = 1, 64, 256 running sequences (prompts of
-  ``--prompt-len`` tokens, prefilled first), then ``--steps`` decode steps timed with the engine
-  thread's CPU clock: ms per step (schedule, sample, update, outputs).
+  ``--prompt-len`` tokens, prefilled first), then ``--repeats`` runs of ``--steps`` decode steps timed
+  with the engine thread's CPU clock: the median ms per step (schedule, sample, update, outputs).
 - server: ``python -m cllm.bench.null_server`` (the real server: HTTP, SSE, engine thread) with B
   concurrent streamed ``/v1/completions`` from client processes (raw asyncio sockets, so they cost
   little); the server process's CPU time (from /proc, per thread) divided by the tokens streamed:
@@ -39,6 +39,7 @@ import json
 import multiprocessing as mp
 import os
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -67,7 +68,7 @@ def engine_ms_per_step(batch: int, mode: str, args: argparse.Namespace) -> float
     backend = NullBackend(slots=batch, vocab_size=args.vocab, device=args.device)
     config = load_config(None, environ={}, n_seq_max=batch, max_waiting=4096)
     engine = LLMEngine(config, backend=backend)
-    params = cllm.SamplingParams(max_tokens=args.steps + 64, ignore_eos=True, **MODES[mode])
+    params = cllm.SamplingParams(max_tokens=args.repeats * args.steps + 64, ignore_eos=True, **MODES[mode])
     for i in range(batch):
         engine.add_request([300 + (i + j) % 500 for j in range(args.prompt_len)], params)
     while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.requests.values()) \
@@ -75,12 +76,14 @@ def engine_ms_per_step(batch: int, mode: str, args: argparse.Namespace) -> float
         engine.step()
     for _ in range(8):  # warm
         engine.step()
-    t0 = time.thread_time()
-    for _ in range(args.steps):
-        engine.step()
-    ms = 1000 * (time.thread_time() - t0) / args.steps
+    runs = []
+    for _ in range(args.repeats):  # the median of a few runs: this VM's neighbours move single runs by 10 %
+        t0 = time.thread_time()
+        for _ in range(args.steps):
+            engine.step()
+        runs.append(1000 * (time.thread_time() - t0) / args.steps)
     engine.close()
-    return ms
+    return statistics.median(runs)
 
 
 # ------------------------------------------------------------------------------------------ server
@@ -249,7 +252,8 @@ def main() -> None:
     parser.add_argument("--device", choices=("numpy", "torch"), default="numpy",
                         help="logits as numpy (numpy sampler) or torch CPU tensors (the torch sampler)")
     parser.add_argument("--prompt-len", type=int, default=150)
-    parser.add_argument("--steps", type=int, default=300, help="timed engine steps per level")
+    parser.add_argument("--steps", type=int, default=300, help="timed engine steps per level and run")
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs per level (their median is reported)")
     parser.add_argument("--tokens", type=int, default=256, help="max_tokens of each streamed request")
     parser.add_argument("--client-procs", type=int, default=2)
     parser.add_argument("--min-tokens", type=int, default=32768, help="tokens streamed per level at least (closed loops)")

@@ -5,6 +5,12 @@ back an incomplete multi-byte character until its last byte arrives, so no
 U+FFFD ever appears mid-stream for text that is valid once complete. Text that
 could be the start of a stop string is held back too, until it is clear
 whether the stop string follows.
+
+The text is kept as a short tail, where new text lands, stop strings are looked
+for and deltas are cut, and the pieces before it (handed out, and further back
+than any stop string reaches): appending to one growing string copied the whole
+text at every token, which for long outputs is quadratic (a 7 kB text: 0.9 µs a
+token; 256 such streams, a fifth of an engine step).
 """
 from __future__ import annotations
 
@@ -12,6 +18,8 @@ import codecs
 from collections.abc import Sequence
 
 from cllm.backends.base import Tokenizer
+
+TAIL_CHARS = 512  # the tail is trimmed once it is longer than this (and the longest stop string)
 
 
 class IncrementalDetokenizer:
@@ -23,30 +31,49 @@ class IncrementalDetokenizer:
         self._buffered = False  # the decoder holds the first bytes of an incomplete character
         self._stop = [s for s in stop if s]
         self._include_stop = include_stop
-        self.text = ""  # decoded text, stop string cut off once matched
-        self._emitted = 0  # chars of self.text already handed out
+        self._longest = max((len(s) for s in self._stop), default=0)
+        self._head: list[str] = []  # the text before the tail (handed out, beyond any stop string's reach)
+        self._head_length = 0
+        self._tail = ""  # the rest of the decoded text; stop string cut off once matched
+        self._emitted = 0  # chars of the whole text already handed out (never before the tail's start)
         self.stopped_on: str | None = None  # the stop string matched, if any
+
+    @property
+    def text(self) -> str:
+        """The decoded text (stop string cut off once matched): joined, so a read costs its length."""
+        return "".join(self._head) + self._tail if self._head else self._tail
 
     @property
     def text_length(self) -> int:
         """Characters decoded so far (a partial UTF-8 character counts once it completes)."""
-        return len(self.text)
+        return self._head_length + len(self._tail)
 
     def add_token(self, token_id: int, *, check_stop: bool = True) -> str | None:
         """Append one token; returns the stop string if this token completed one (only looked for
         when ``check_stop``; the scan covers the new text plus a stop string's length before it)."""
         if self.stopped_on is not None:
             return self.stopped_on
-        before = len(self.text)
+        before = len(self._tail)
         data = self._tokenizer.token_bytes(token_id)
         if self._buffered:
-            self.text += self._decode(data)
+            self._tail += self._decode(data)
         else:
             try:  # nearly every token: complete UTF-8 on its own, which the decoder would return whole
-                self.text += data.decode()  # (a fifth of the time of the codecs decoder's Python)
+                self._tail += data.decode()  # (a fifth of the time of the codecs decoder's Python)
             except UnicodeDecodeError:
-                self.text += self._decode(data)
-        return self._check_stop(before) if check_stop else None
+                self._tail += self._decode(data)
+        stop = self._check_stop(before) if check_stop else None
+        if len(self._tail) > TAIL_CHARS + self._longest:
+            self._trim()
+        return stop
+
+    def _trim(self) -> None:
+        """Move to the head what of the tail is handed out and further back than a stop string reaches."""
+        cut = min(self._emitted - self._head_length, len(self._tail) - self._longest)
+        if cut > 0:
+            self._head.append(self._tail[:cut])
+            self._head_length += cut
+            self._tail = self._tail[cut:]
 
     def _decode(self, data: bytes) -> str:
         text = self._decoder.decode(data)
@@ -54,22 +81,24 @@ class IncrementalDetokenizer:
         return text
 
     def finish(self) -> None:
-        """End of sequence: flush an incomplete trailing character (as U+FFFD)."""
+        """End of sequence: flush an incomplete trailing character (as U+FFFD); the text becomes one string."""
         if self.stopped_on is None:
-            self.text += self._decoder.decode(b"", final=True)
+            self._tail += self._decoder.decode(b"", final=True)
         self._stop = []
+        if self._head:
+            self._tail, self._head, self._head_length = self.text, [], 0
 
     def _check_stop(self, before: int) -> str | None:
+        """The first stop string in the tail's new text (``before``: its length before the token)."""
         if not self._stop:
             return None
-        longest = max(len(s) for s in self._stop)
-        start = max(0, before - longest + 1)
-        hits = [(self.text.find(s, start), s) for s in self._stop]
+        start = max(0, before - self._longest + 1)  # (the tail always holds a stop string's length before)
+        hits = [(self._tail.find(s, start), s) for s in self._stop]
         hits = [(i, s) for i, s in hits if i >= 0]
         if not hits:
             return None
         index, stop = min(hits)
-        self.text = self.text[: index + len(stop)] if self._include_stop else self.text[:index]
+        self._tail = self._tail[: index + len(stop)] if self._include_stop else self._tail[:index]
         self.stopped_on = stop
         self._stop = []
         return stop
@@ -78,17 +107,17 @@ class IncrementalDetokenizer:
         """Chars at the end of the text that may be the beginning of a stop string."""
         held = 0
         for s in self._stop:
-            for k in range(min(len(s) - 1, len(self.text)), held, -1):
-                if self.text.endswith(s[:k]):
+            for k in range(min(len(s) - 1, len(self._tail)), held, -1):
+                if self._tail.endswith(s[:k]):
                     held = k
                     break
         return held
 
     def take_delta(self) -> str:
         """Text that is final and not yet handed out."""
-        visible = len(self.text) - self._held_back()
-        if visible <= self._emitted:
+        visible = len(self._tail) - (self._held_back() if self._stop else 0)
+        emitted = self._emitted - self._head_length
+        if visible <= emitted:
             return ""
-        delta = self.text[self._emitted:visible]
-        self._emitted = visible
-        return delta
+        self._emitted = self._head_length + visible
+        return self._tail[emitted:visible]

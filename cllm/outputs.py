@@ -71,7 +71,7 @@ class CompletionOutput:
     """One choice of a request (n > 1 gives several)."""
 
     index: int  # choice index
-    text: str  # all text so far (stop strings removed)
+    text: str  # all the text (stop strings removed), once the choice has ended ("" before: see text_delta)
     token_ids: list[int]  # all output tokens: on the final output only ([] on streamed ones: see token_ids_delta)
     finish_reason: str | None  # "stop" | "length" | "abort" | "timeout" | "error"; None while running
     stop_reason: str | int | None = None  # matched stop string or stop token, if any

@@ -61,7 +61,8 @@ class RequestGroup:
         """The group's state now, with deltas since the previous call.
 
         Streamed (unfinished) outputs are deltas: new text, token ids and logprobs only, and their
-        ``token_ids`` / ``logprobs`` are empty; the final output carries the whole of them as well.
+        ``token_ids`` / ``logprobs`` are empty (and ``text``, until the choice ends: it is joined from
+        the detokenizer's pieces); the final output carries the whole of them as well.
         Nothing per step is proportional to the prompt or the output so far (a copy of both per token
         and request was most of the engine's time at 256 streams). ``prompt_token_ids`` and a complete
         ``prompt_logprobs`` are the request's own lists, shared: read-only for callers."""
@@ -94,6 +95,7 @@ class RequestGroup:
             new_logprobs = logprobs[self._sent_logprobs[i]:]
             self._sent_logprobs[i] = len(logprobs)
         return CompletionOutput(  # positional: half the time of keywords, for every token of every stream
-            i, detok.text, list(tokens) if group_finished else [], child.status.finish_reason, child.stop_reason,
+            i, detok.text if child.status.is_finished else "", list(tokens) if group_finished else [],
+            child.status.finish_reason, child.stop_reason,
             list(logprobs) if logprobs is not None and group_finished else None, detok.take_delta(), new_tokens,
             new_logprobs)

@@ -1,9 +1,12 @@
 """Incremental detokenisation: multi-byte safety and stop strings that never leak."""
 from __future__ import annotations
 
-from hypothesis import given
+import codecs
+import pytest
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from cllm import detokenizer
 from cllm.detokenizer import IncrementalDetokenizer
 from tests.unit.fakes import ByteTokenizer
 
@@ -80,3 +83,47 @@ def test_multi_byte_pieces_decode_as_the_whole_stream(tokens):
     d, streamed = stream(tokens, _Pieces())
     whole = b"".join(_Pieces.PIECES[t] for t in tokens).decode("utf-8", errors="replace")
     assert d.text == whole and "".join(streamed) == whole
+
+
+def _reference(tokens: list[int], stop: list[str], include: bool) -> tuple[str, str | None]:
+    """The whole-string algorithm: append each token's text to one string, look for a stop string in
+    the new text (and a stop string's length before it)."""
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    text = ""
+    longest = max(len(s) for s in stop)
+    for t in tokens:
+        before = len(text)
+        text += decoder.decode(ByteTokenizer().token_bytes(t))
+        hits = [(text.find(s, max(0, before - longest + 1)), s) for s in stop]
+        hits = [(i, s) for i, s in hits if i >= 0]
+        if hits:
+            i, s = min(hits)
+            return (text[: i + len(s)] if include else text[:i]), s
+    return text + decoder.decode(b"", final=True), None
+
+
+@pytest.fixture()
+def monkeypatch_tail(monkeypatch):
+    monkeypatch.setattr(detokenizer, "TAIL_CHARS", 3)
+
+
+@settings(suppress_health_check=[HealthCheck.function_scoped_fixture], max_examples=300)
+@given(st.lists(st.tuples(st.sampled_from([0, 1, 2, 3, 23, 24, 25, 60, 61, 62]), st.booleans()), max_size=120),
+       st.lists(st.sampled_from(["bc", "xyz", "€b", "dab", "cccc"]), min_size=1, max_size=3), st.booleans())
+def test_long_text_with_a_short_tail_keeps_stop_strings_and_deltas_exact(monkeypatch_tail, steps, stop, include):
+    """With the tail trimmed every few characters, stop strings that straddle the trimmed part are still
+    found, nothing past a stop string is handed out, and the deltas (taken after some tokens only, as
+    a reader that falls behind or a hand-off's replay does) add up to the text."""
+    d = IncrementalDetokenizer(ByteTokenizer(), stop=stop, include_stop=include)
+    streamed = ""
+    for token, take in steps:
+        d.add_token(token)
+        if take:
+            streamed += d.take_delta()
+        if d.stopped_on is not None:
+            break
+    d.finish()
+    streamed += d.take_delta()
+    text, stopped = _reference([t for t, _ in steps], stop, include)
+    assert (d.text, d.stopped_on) == (text, stopped)
+    assert streamed == d.text
