@@ -144,7 +144,7 @@ def serve(
     served_model_name: Optional[list[str]] = typer.Option(None, "--served-model-name", help="model name to answer to (repeatable: aliases)"),
     replicas: Optional[int] = typer.Option(None, "--replicas", help="engine replicas on Ray Serve (needs cllm[ray])"),
     pd: Optional[str] = typer.Option(None, "--pd", help="prefill/decode replicas on Ray Serve, e.g. prefill=1,decode=1"),
-    speculative: Optional[str] = typer.Option(None, "--speculative", help="speculative decoding: auto (default: ngram on llama_cpp, off on torch) | ngram | draft | off"),
+    speculative: Optional[str] = typer.Option(None, "--speculative", help="speculative decoding: auto (default: off until measured never to lose) | ngram | draft | off"),
     speculative_model: Optional[str] = typer.Option(None, "--speculative-model", help="draft model of --speculative draft"),
     sets: Optional[list[str]] = SetOpt,
 ) -> None:

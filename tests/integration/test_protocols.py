@@ -179,8 +179,8 @@ def _drafted(server: ServerProcess) -> float:
 
 
 def test_speculative_false_turns_drafting_off_on_every_endpoint():
-    """On a server of its own (the shared one has measured its step costs, and its planner may rightly
-    propose nothing), n-gram drafting (llama.cpp's default) is off for a copying request that says
+    """On a server of its own with n-gram speculation on (the shared one runs the default, off; and a
+    planner that has measured its step costs may rightly propose nothing), drafting is off for a copying request that says
     ``"speculative": false`` on each of the four generation endpoints, and on for the same request
     without the field: the planner explores while it has measured only one step size, and the four
     requests without drafts run only one-token decode steps."""
@@ -191,7 +191,7 @@ def test_speculative_false_turns_drafting_off_on_every_endpoint():
         "/v1/responses": {"input": COPY, "max_output_tokens": 40, "temperature": 0},
         "/v1/messages": {"messages": chat_msgs, "max_tokens": 40, "temperature": 0},
     }
-    server = start_server("--n-seq-max", "2", "--n-ctx", "4096", "--log-level", "info")
+    server = start_server("--n-seq-max", "2", "--n-ctx", "4096", "--speculative", "ngram", "--log-level", "info")
     try:
         with server.http() as http:
             for path, body in bodies.items():
