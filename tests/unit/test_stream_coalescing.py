@@ -53,3 +53,29 @@ def test_a_loop_that_keeps_up_gets_every_step_at_once() -> None:
     engine = cllm.AsyncLLM(backend=backend, config=fake_config(n_seq_max=STREAMS))
     sizes = asyncio.run(_tokens_per_output(engine, busy_s=0.0, tokens=30))
     assert sum(1 for n in sizes if n == 1) >= 0.8 * len(sizes)
+
+
+def test_a_caller_loop_that_ends_mid_stream_never_holds_the_engine_up() -> None:
+    """A caller's loop that ends with its request still running (the settle callbacks of a hand-over in
+    flight may never run there) does not hold the engine up: the next loop's request runs at full pace.
+    (Whether a hand-over is in flight at that moment is up to timing, so this guards the outcome, not the
+    closed-loop branch of AsyncLLM._hand_over in particular.)"""
+    engine = cllm.AsyncLLM(backend=FakeBackend(slots=4, forward_sleep_s=0.0005), config=fake_config(n_seq_max=4))
+    params = cllm.SamplingParams(max_tokens=2000, temperature=0, ignore_eos=True)
+
+    async def leave_early() -> None:
+        stream = engine.generate([1], params).__aiter__()
+        await stream.__anext__()
+        # returns with the request running and outputs on their way: asyncio.run closes the loop
+
+    async def then_another() -> int:
+        try:
+            outs = [out async for out in engine.generate([2], cllm.SamplingParams(max_tokens=50, temperature=0))]
+            return len(outs[-1].outputs[0].token_ids)
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(leave_early())
+    started = time.monotonic()
+    assert asyncio.run(asyncio.wait_for(then_another(), timeout=30)) == 50
+    assert time.monotonic() - started < 10
