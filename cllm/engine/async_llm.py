@@ -88,6 +88,20 @@ SETTLE_ITERATIONS = 3
 # tokens reach the loop several at a time exactly when the loop costs as much as the engine; a step
 # longer than the loop's work (one stream, a GPU forward) hands over at every step as before.
 COALESCE_MAX_S = 0.05
+# Nor, while steps are short, more often than every HANDOVER_INTERVAL_S: a hand-over costs ~30-50 µs of
+# CPU whatever it carries (the loop's wake-up and the GIL passed back and forth, a system call and a
+# cross-core wake-up each on this VM: 26 % of the engine thread's time, perf, one stream over a
+# zero-cost backend, where the engine hands over every ~20 µs step), so holding a stream's tokens
+# for 0.5 ms keeps that under a tenth of the engine's time. Steps of a real model (a GPU decode step
+# takes 1-5 ms, a CPU one more) are longer: every step hands over, as before. Held outputs never wait
+# for a step that may be long: anything held goes out before a step that admits requests (new or
+# waiting ones: a prefill), and none is held after a step that took more than a quarter of the interval.
+# Such a hand-over then waits (at most TAKEN_WAIT_S) until the loop has taken it: the woken loop would
+# otherwise wait for the GIL while the engine steps on, and every GIL release of those steps (numpy
+# releases it in each argmax) paid a futex wake-up of the waiting loop (perf: pthread_cond_signal, a
+# quarter of the engine thread's CPU) without the loop winning the race.
+HANDOVER_INTERVAL_S = 0.001
+TAKEN_WAIT_S = 0.001
 AHEAD_WAIT_S = 0.05
 BURST_QUIET_S = 0.001
 BURST_EXPECT_QUIET_S = 0.025
@@ -103,6 +117,7 @@ class _Stream:
     loop: asyncio.AbstractEventLoop  # the caller's event loop
     queue: asyncio.Queue  # RequestOutput items, or an exception to raise
     error: BaseException | None = None  # an exception that came after outputs, raised once those are out
+    box: _Outbox | None = None  # its loop's outbox, once the engine thread has looked it up
 
 
 @dataclass(slots=True)
@@ -111,6 +126,7 @@ class _Outbox:
 
     held: dict[str, tuple[asyncio.Queue, RequestOutput]]  # request id -> its queue and its (merged) output
     free: threading.Event  # set once the loop has run the last hand-over (none outstanding)
+    taken: threading.Event  # set once the loop has started on the last hand-over
     sent_at: float = 0.0  # time.monotonic() of the last hand-over
     busy_s: float = 0.0  # how long the loop took over the last hand-over, to its SETTLE_ITERATIONS-th iteration
     freed_at: float = 0.0  # time.monotonic() when it had
@@ -164,6 +180,7 @@ class AsyncLLM:
         self._holding: dict[asyncio.AbstractEventLoop, _Outbox] = {}
         self._snapshot: tuple[EngineStats, list[RunningRequestInfo]] | None = None
         self._published_at = 0.0  # time.monotonic() of the latest snapshot
+        self._steps_short = False  # the last step was short and nothing waits: see HANDOVER_INTERVAL_S
 
     # ------------------------------------------------------------------ info
     @property
@@ -239,9 +256,14 @@ class AsyncLLM:
                     continue
                 if was_idle:
                     self._gather_burst(taken)
+                elif self._holding and (taken or self.engine.scheduler.num_waiting):
+                    self._flush_outboxes()  # this step may admit a prefill: nothing held waits for it
+                started = time.monotonic()
                 with self._state_lock:
                     outputs = self.engine.step()
                     self._publish_after_step()
+                self._steps_short = (time.monotonic() - started < HANDOVER_INTERVAL_S / 4
+                                     and not self.engine.scheduler.num_waiting)
                 self._owe(sum(1 for out in outputs if out.finished))
                 self._deliver_step(outputs)
         except BaseException as err:  # a bug or a fatal backend error: fail every stream loudly
@@ -311,6 +333,8 @@ class AsyncLLM:
 
     def _owe(self, finished: int) -> None:
         """Note ``finished`` requests whose clients may come back; forget those owed too long."""
+        if not finished and not self._owed:
+            return
         now = time.monotonic()
         self._owed.extend(itertools.repeat(now, finished))
         while self._owed and self._owed[0] < now - BURST_EXPECT_WITHIN_S:
@@ -319,9 +343,9 @@ class AsyncLLM:
     def _run_embed_jobs(self) -> None:
         """Every queued embed() call, all inputs in one backend.embed (packed per forward): concurrent
         callers are batched with each other. Runs between steps, so it never races a forward pass."""
-        jobs = _take_all(self._embed_jobs)
-        if not jobs:
+        if self._embed_jobs.empty():
             return
+        jobs = _take_all(self._embed_jobs)
         try:
             with self._state_lock:
                 outputs = self.engine.embed_token_ids([ids for job in jobs for ids in job.token_ids])
@@ -341,6 +365,8 @@ class AsyncLLM:
     def _drain_inbox(self) -> int:
         """Run every queued command; how many there were. The stats snapshot is republished once per
         drain, not per command (building it walks every request)."""
+        if self._inbox.empty():  # (the engine thread is the only reader)
+            return 0
         count = 0
         try:
             while True:
@@ -370,15 +396,21 @@ class AsyncLLM:
             stream = self._streams.get(out.request_id)
             if stream is None:
                 continue
-            box = self._outboxes.get(stream.loop)
+            box = stream.box
             if box is None:
-                box = self._outboxes[stream.loop] = _Outbox({}, threading.Event())
-                box.free.set()
+                box = stream.box = self._outbox(stream.loop)
             prev = box.held.get(out.request_id)
             box.held[out.request_id] = (stream.queue, out if prev is None else merge_outputs(prev[1], out))
             self._holding[stream.loop] = box
         for loop, box in list(self._holding.items()):
             self._hand_over(loop, box)
+
+    def _outbox(self, loop: asyncio.AbstractEventLoop) -> _Outbox:
+        box = self._outboxes.get(loop)
+        if box is None:
+            box = self._outboxes[loop] = _Outbox({}, threading.Event(), threading.Event())
+            box.free.set()
+        return box
 
     def _hand_over(self, loop: asyncio.AbstractEventLoop, box: _Outbox, *, force: bool = False) -> None:
         if loop.is_closed() or not box.held:  # (_deliver may have taken the last one)
@@ -388,14 +420,18 @@ class AsyncLLM:
         if not force and not box.free.is_set():
             if time.monotonic() - box.sent_at < MAX_BEHIND_S or not box.free.wait(AHEAD_WAIT_S):
                 return  # still behind: keep merging (one output per request, however many steps)
-        elif not force and time.monotonic() - box.freed_at < box.busy_s:
-            return  # the loop is free, but not yet for as long as it took over the last hand-over: keep merging
+        elif not force and (time.monotonic() - box.freed_at < box.busy_s
+                            or self._steps_short and time.monotonic() - box.sent_at < HANDOVER_INTERVAL_S):
+            return  # the loop is free, but not for long enough yet (see COALESCE_MAX_S, HANDOVER_INTERVAL_S): keep merging
         items = list(box.held.values())
         box.held.clear()
         self._holding.pop(loop, None)
         box.free.clear()
+        box.taken.clear()
         box.sent_at = time.monotonic()
         loop.call_soon_threadsafe(_put_all, items, box)
+        if self._steps_short and not force:
+            box.free.wait(TAKEN_WAIT_S)
 
     def _flush_outboxes(self) -> None:
         """Hand over everything held (the engine is going idle: no later step would)."""
@@ -707,6 +743,8 @@ def _put_all(items: list[tuple[asyncio.Queue, Any]], box: _Outbox | None) -> Non
     """On the caller's loop: queue a hand-over's items, then tell the engine thread, once the loop has
     run SETTLE_ITERATIONS more times, that it was taken and how long that took (see COALESCE_MAX_S)."""
     started = time.monotonic()
+    if box is not None:
+        box.taken.set()
     try:
         for queue_, item in items:
             queue_.put_nowait(item)

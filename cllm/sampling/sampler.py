@@ -9,8 +9,9 @@ its batch-mates are.
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -24,6 +25,8 @@ NUCLEUS_CANDIDATES = 256
 CANDIDATE_GROUPS = 4096
 # Values (rows x vocabulary) per block of _softmax_totals: 256 KiB of float32, within a core's L2.
 TOTALS_BLOCK_VALUES = 65536
+# Up to this many rows, per-row Python floats beat the batch's array set-up (_single_token_nucleus).
+FEW_ROWS = 4
 
 
 @dataclass(slots=True)
@@ -54,30 +57,41 @@ def sample(logits: np.ndarray, rows: Sequence[SamplingRow]) -> list[SampledToken
     """Sample one token per row of ``logits`` (modified in place)."""
     if logits.shape[0] != len(rows):
         raise ValueError(f"{logits.shape[0]} logit rows for {len(rows)} sequences")
-    logprob_rows, greedy_rows = _apply_biases_and_penalties(logits, rows)
-    logprobs = _log_softmax(logits[logprob_rows]) if logprob_rows else None
-    if all(greedy_rows):
-        return _results(logits.argmax(axis=1), rows, logprob_rows, logprobs)
+    plan = _apply_biases_and_penalties(logits, rows)
+    logprobs = _log_softmax(logits[plan.logprob_rows]) if plan.logprob_rows else None
+    if len(plan.greedy) == len(rows):
+        return _results(logits.argmax(axis=1), rows, plan.logprob_rows, logprobs)
     chosen = np.empty(len(rows), dtype=np.int64)
-    greedy = np.array(greedy_rows, dtype=bool)
-    if greedy.any():
-        chosen[greedy] = logits[greedy].argmax(axis=1)
-    stochastic = np.flatnonzero(~greedy)
-    if len(stochastic) == len(rows):  # no fancy-index copy of the whole batch's logits
-        chosen[:] = _draw(logits, rows)
-    elif len(stochastic):
-        chosen[stochastic] = _draw(logits[stochastic], [rows[i] for i in stochastic])
-    return _results(chosen, rows, logprob_rows, logprobs)
+    if plan.greedy:
+        chosen[plan.greedy] = logits[plan.greedy].argmax(axis=1)
+    _draw(logits, rows, plan, chosen)
+    return _results(chosen, rows, plan.logprob_rows, logprobs)
 
 
-def _apply_biases_and_penalties(logits: np.ndarray, rows: Sequence[SamplingRow]) -> tuple[list[int], list[bool]]:
-    """logit_bias, penalties and min_tokens' suppression of stop tokens, in that order; returns the rows
-    that want logprobs and whether each row is greedy. One pass over the rows finds what each needs (a
-    pass per question was a tenth of a 256-row step)."""
+@dataclass(slots=True)
+class _Plan:
+    """What each row needs this step, found in one pass over the rows (a pass per question, and a
+    function call per row and pass, was a tenth of a 256-row step)."""
+
+    logprob_rows: list[int] = field(default_factory=list)  # rows that want logprobs
+    greedy: list[int] = field(default_factory=list)  # rows that take their argmax
+    # Rows whose nucleus is a share of the whole vocabulary's mass (top_p without a top_k or min_p
+    # cut), with their temperatures and top_p: the top token alone often holds it (_single_token_nuclei).
+    wide: list[int] = field(default_factory=list)
+    temps: list[float] = field(default_factory=list)
+    top_ps: list[float] = field(default_factory=list)
+    # The other drawn rows by how many top candidates they draw from (0: the whole distribution).
+    groups: dict[int, list[int]] = field(default_factory=dict)
+
+
+def _apply_biases_and_penalties(logits: np.ndarray, rows: Sequence[SamplingRow]) -> _Plan:
+    """logit_bias, penalties and min_tokens' suppression of stop tokens, in that order; returns what
+    each row needs next (logprobs, argmax, or which kind of draw)."""
+    vocab = logits.shape[1]
+    nucleus_k = min(NUCLEUS_CANDIDATES, vocab)
+    plan = _Plan()
     penalised = False
     suppressed: list[int] = []
-    logprob_rows: list[int] = []
-    greedy_rows: list[bool] = []
     for i, row in enumerate(rows):
         p = row.params
         if p.logit_bias:
@@ -88,13 +102,22 @@ def _apply_biases_and_penalties(logits: np.ndarray, rows: Sequence[SamplingRow])
         if p.min_tokens and row.stop_ids and len(row.output_token_ids) < p.min_tokens:
             suppressed.append(i)
         if p.logprobs is not None:
-            logprob_rows.append(i)
-        greedy_rows.append(p.temperature == 0.0)
+            plan.logprob_rows.append(i)
+        if p.temperature == 0.0:
+            plan.greedy.append(i)
+        elif p.top_k and p.top_k < vocab:
+            plan.groups.setdefault(p.top_k, []).append(i)
+        elif p.top_p < 1.0 and p.min_p <= 0 and nucleus_k < vocab:
+            plan.wide.append(i)
+            plan.temps.append(p.temperature)
+            plan.top_ps.append(p.top_p)
+        else:
+            plan.groups.setdefault(nucleus_k if p.top_p < 1.0 or p.min_p > 0 else 0, []).append(i)
     if penalised:
         _apply_penalties(logits, rows)
     for i in suppressed:
         _suppress_stop(logits[i], list(rows[i].stop_ids))
-    return logprob_rows, greedy_rows
+    return plan
 
 
 def _suppress_stop(row: np.ndarray, stop_ids: list[int]) -> None:
@@ -135,75 +158,91 @@ def _log_softmax(x: np.ndarray) -> np.ndarray:
     return z - np.log(np.exp(z).sum(axis=1, keepdims=True))
 
 
-def _draw(logits: np.ndarray, rows: Sequence[SamplingRow]) -> np.ndarray:
-    """One token per row. Rows that truncate (top_k, top_p, min_p) are drawn from their top
-    candidates only (no full-vocabulary softmax, sort or cumsum); the rest, and any row whose
-    candidates turn out too few, take the full-distribution path. A nucleus row whose softmax spans
-    the whole vocabulary (top_p without a top_k or min_p cut) and whose top token holds the mass by
-    itself takes that token without looking for candidates. One pass over the rows sorts them out
-    (a function call per row and pass was a tenth of a 256-row step)."""
+def _draw(logits: np.ndarray, rows: Sequence[SamplingRow], plan: _Plan, chosen: np.ndarray) -> None:
+    """One token for each row the plan draws, into ``chosen``. Rows that truncate (top_k, top_p,
+    min_p) are drawn from their top candidates only (no full-vocabulary softmax, sort or cumsum); the
+    rest, and any row whose candidates turn out too few, take the full-distribution path. A wide
+    nucleus row whose top token holds the mass by itself takes that token without looking for
+    candidates."""
     vocab = logits.shape[1]
     nucleus_k = min(NUCLEUS_CANDIDATES, vocab)
-    chosen = np.empty(len(rows), dtype=np.int64)
-    full: list[int] = []
-    groups: dict[int, list[int]] = {}
-    wide: list[int] = []
-    temps: list[float] = []
-    top_ps: list[float] = []
-    for i, row in enumerate(rows):
-        p = row.params
-        if p.top_k and p.top_k < vocab:
-            k = p.top_k
-        elif p.top_p < 1.0:
-            k = nucleus_k
-            if p.min_p <= 0 and k < vocab:  # its nucleus is a share of the whole vocabulary's mass
-                wide.append(i)
-                temps.append(p.temperature)
-                top_ps.append(p.top_p)
-                continue
-        elif p.min_p > 0:
-            k = nucleus_k
-        else:
-            k = 0
-        groups.setdefault(k, []).append(i)
+    groups = plan.groups
     totals: dict[int, float] = {}  # row -> its softmax denominator (wide rows that need candidates)
-    if wide:
-        index = np.array(wide, dtype=np.int64)
-        single, top, exact = _single_token_nuclei(logits, index, np.array(temps), np.array(top_ps))
-        chosen[index[single]] = top[single]
-        for j in np.flatnonzero(single).tolist():
-            rows[wide[j]].rng.random()  # the draw that picks the top token, as the candidates' path would make
-        rest = np.flatnonzero(~single).tolist()
+    if len(plan.wide) <= FEW_ROWS:  # per row, without the batch's array set-up (a third of a one-row step)
+        rest = []
+        for i, temp, top_p in zip(plan.wide, plan.temps, plan.top_ps):
+            top, total = _single_token_nucleus(logits, i, temp, top_p)
+            if total is None:
+                chosen[i] = top
+                rows[i].rng.random()  # the draw that picks the top token, as the candidates' path would make
+            else:
+                totals[i] = total
+                rest.append(i)
         if rest:
-            totals = dict(zip([wide[j] for j in rest], exact[rest].tolist()))
-            groups[nucleus_k] = sorted(groups.get(nucleus_k, []) + [wide[j] for j in rest])
+            groups = {**groups, nucleus_k: sorted(groups.get(nucleus_k, []) + rest)}
+    else:
+        wide = plan.wide
+        index = np.array(wide, dtype=np.int64)
+        single, top, exact = _single_token_nuclei(logits, index, np.array(plan.temps), np.array(plan.top_ps))
+        if exact is None:  # the bound settled every row (peaked distributions: the usual case)
+            chosen[index] = top
+            for i in wide:
+                rows[i].rng.random()  # the draw that picks the top token, as the candidates' path would make
+        else:
+            chosen[index[single]] = top[single]
+            for j in np.flatnonzero(single).tolist():
+                rows[wide[j]].rng.random()
+            rest = np.flatnonzero(~single).tolist()
+            if rest:
+                totals = dict(zip([wide[j] for j in rest], exact[rest].tolist()))
+                groups = {**groups, nucleus_k: sorted(groups.get(nucleus_k, []) + [wide[j] for j in rest])}
+    full = groups.get(0, [])
     for k, members in groups.items():
         if k == 0:
-            full += members
             continue
         sub = logits if len(members) == len(rows) else logits[members]
         row_totals = np.array([totals.get(i, np.nan) for i in members])
         tokens = _draw_from_candidates(sub, top_candidates(sub, k), [rows[i] for i in members], vocab, row_totals)
         for i, token in zip(members, tokens.tolist()):
             if token < 0:
-                full.append(i)
+                full = full + [i]
             else:
                 chosen[i] = token
     if full:
-        full.sort()
+        full = sorted(full)
         chosen[full] = _draw_full(logits[full], [rows[i] for i in full])
-    return chosen
+
+
+def _single_token_nucleus(logits: np.ndarray, i: int, temp: float, top_p: float) -> tuple[int, float | None]:
+    """_single_token_nuclei for the one row ``i``, in Python floats: its top token, and None when that
+    token alone holds the nucleus, else the row's exact total. The same bound with the same margin, so
+    a row settles here exactly when its exact total would settle it (the bound only spares that sum)."""
+    row = logits[i]
+    top = int(row.argmax())
+    best = row[top]
+    row[top] = -np.inf
+    second = float(row.max())
+    row[top] = best
+    vocab = len(row)
+    if top_p * (1.0 + (vocab - 1) * math.exp((second - float(best)) / temp)) * (1 + 1e-6) <= 1.0:
+        return top, None
+    total = float(_softmax_totals(logits, np.array([i]), np.array([best]), np.array([temp]))[0])
+    return top, None if top_p * total <= 1.0 else total
 
 
 def _single_token_nuclei(logits: np.ndarray, wide: np.ndarray, temps: np.ndarray,
-                         top_p: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                         top_p: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """For the wide nucleus rows ``wide`` of ``logits`` (their temperatures and top_p): whether the top
     token alone holds the nucleus's mass (1 >= top_p * total, the top token's weight being 1), the top
-    token (lowest id among ties), and the exact total of every row that the bound did not settle (NaN
-    for the others). The total is bounded first by 1 + (vocab - 1) * the second token's weight, which
-    settles a peaked row with two passes over it; only the other rows compute their exact totals. The
-    bound keeps a 1e-6 margin, more than the float32 sums' rounding, so it never answers differently
-    from the exact total."""
+    token (lowest id among ties), and the exact total of every row that the bounds did not settle
+    (NaN for the others; None when the bounds settled every row).
+
+    Upper bounds of a row's total come first, a pass over the row each: 1 + (vocab - 1) x w2, w2 being
+    the second token's weight; for the rows that leaves open, 1 + m x w2 + (vocab - 1 - m) x w, where m
+    tokens besides the top lie above a cut whose weight w spends half the slack (1 / top_p - 1) over
+    the whole vocabulary (an exp pass costs several compare passes). Only the rows neither settles
+    compute their exact totals. The bounds keep a 1e-6 margin, more than the float32 sums' rounding,
+    so they never answer differently from the exact total."""
     whole = len(wide) == len(logits)
     x = logits if whole else logits[wide]  # the rows themselves (their top values put back below), or a copy
     n, vocab = x.shape
@@ -214,12 +253,24 @@ def _single_token_nuclei(logits: np.ndarray, wide: np.ndarray, temps: np.ndarray
     second = x.max(axis=1).astype(np.float64)
     x[at_top] = best
     maxima, best = best, best.astype(np.float64)
-    single = top_p * (1.0 + (vocab - 1) * np.exp((second - best) / temps)) * (1 + 1e-6) <= 1.0
+    w2 = np.exp((second - best) / temps)
+    single = top_p * (1.0 + (vocab - 1) * w2) * (1 + 1e-6) <= 1.0
+    if single.all():
+        return single, top, None
+    open_ = np.flatnonzero(~single)
+    w_cut = (1.0 / top_p[open_] - 1.0) / (2 * (vocab - 1))
+    cut = best[open_] + temps[open_] * np.log(w_cut)
+    cut32 = cut.astype(np.float32)
+    cut32 = np.where(cut32 > cut, np.nextafter(cut32, np.float32(-np.inf)), cut32)  # rounded down: none missed
+    above = (x[open_] > cut32[:, None]).view(np.uint8).sum(axis=1, dtype=np.int64) - 1  # less the top
+    bound = 1.0 + above * w2[open_] + (vocab - 1 - above) * w_cut
+    single[open_] = top_p[open_] * bound * (1 + 1e-6) <= 1.0
+    if single.all():
+        return single, top, None
     totals = np.full(n, np.nan)
-    if not single.all():
-        unsure = np.flatnonzero(~single)
-        totals[unsure] = _softmax_totals(logits, wide[unsure], maxima[unsure], temps[unsure])
-        single[unsure] = top_p[unsure] * totals[unsure] <= 1.0
+    unsure = np.flatnonzero(~single)
+    totals[unsure] = _softmax_totals(logits, wide[unsure], maxima[unsure], temps[unsure])
+    single[unsure] = top_p[unsure] * totals[unsure] <= 1.0
     return single, top, totals
 
 

@@ -199,3 +199,36 @@ def test_top_p_frequencies_follow_the_nucleus_on_a_large_vocabulary():
     tokens = draw_many(logits, SamplingParams(temperature=1.0, top_p=0.85))
     assert set(tokens) == {5, 70}
     assert abs(np.mean(tokens == 5) - 2 / 3) < 0.03
+
+
+def test_wide_nucleus_rows_get_the_same_token_and_draws_alone_as_in_a_large_batch():
+    """Up to FEW_ROWS wide nucleus rows are settled one at a time in Python floats, more with batch
+    arrays: a row gets the same token and leaves its generator in the same state either way, whether
+    the bound settles it (a peak of +14), only its exact total does (+8 to +9 at T=0.5, where the bound
+    is too loose) or it needs candidates (+4)."""
+    from cllm.sampling import sampler
+
+    rng = np.random.default_rng(5)
+    vocab = 4096
+    peaks = [14.0, 14.0, 8.0, 8.5, 9.0, 4.0, 4.0, 14.0, 8.0, 4.0]
+    logits = rng.normal(size=(len(peaks), vocab)).astype(np.float32)
+    for i, peak in enumerate(peaks):
+        logits[i, 100 + 37 * i] += peak
+    params = [SamplingParams(temperature=t, top_p=p) for t, p in
+              [(0.8, 0.95), (0.5, 0.9), (0.5, 0.95), (0.5, 0.99), (0.5, 0.95), (0.8, 0.95), (1.0, 0.7), (0.3, 0.999),
+               (0.5, 0.9), (0.8, 0.95)]]
+    assert len(peaks) > sampler.FEW_ROWS
+    ways = {"bound": 0, "exact": 0, "candidates": 0}
+    for i, (p, peak) in enumerate(zip(params, peaks)):
+        top, total = sampler._single_token_nucleus(logits[i:i + 1].copy(), 0, p.temperature, p.top_p)
+        single_by_bound, _, exact = sampler._single_token_nuclei(logits[i:i + 1].copy(), np.array([0]),
+                                                                 np.array([p.temperature]), np.array([p.top_p]))
+        ways["bound" if exact is None else "exact" if total is None else "candidates"] += 1
+    assert all(ways.values()), ways  # every way is exercised
+    for seed in range(8):
+        rows = [row(p, seed) for p in params]
+        together = [s.token_id for s in sample(logits.copy(), rows)]
+        alone_rows = [row(p, seed) for p in params]
+        alone = [sample(logits[i:i + 1].copy(), [alone_rows[i]])[0].token_id for i in range(len(params))]
+        assert together == alone
+        assert [r.rng.random() for r in rows] == [r.rng.random() for r in alone_rows]
