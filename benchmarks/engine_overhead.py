@@ -227,7 +227,7 @@ def gpu_proxy(args: argparse.Namespace) -> dict[str, dict[str, float]]:
 
 def start_null_server(args: argparse.Namespace, slots: int) -> tuple[subprocess.Popen, int]:
     port = _free_port()
-    proc = subprocess.Popen([sys.executable, *(["/tmp/patch_loop.py"] if os.environ.get("PATCH_LOOP") else ["-m", "cllm.bench.null_server"]), "--port", str(port), "--slots", str(slots),
+    proc = subprocess.Popen([sys.executable, "-m", "cllm.bench.null_server", "--port", str(port), "--slots", str(slots),
                              "--vocab", str(args.vocab), "--device", args.device, "--step-ms", str(args.step_ms),
                              "--token-us", str(args.token_us), *(f"--set={kv}" for kv in args.set)], cwd=ROOT)
     deadline = time.monotonic() + 60
