@@ -147,6 +147,8 @@ class EngineCore:
         self._scored: set[str] = set()  # requests whose prompt logprobs have been sent
         self._published_at = 0.0
         self._changed = True  # commands ran or steps ran since the last stats sent
+        self._steps_short = False  # the last step was short and nothing waits (see async_llm.HANDOVER_INTERVAL_S)
+        self._sent_at = 0.0  # time.monotonic() of the last StepOutputs sent
 
     def run(self) -> None:
         error: str | None = None
@@ -172,7 +174,12 @@ class EngineCore:
                 continue
             if was_idle:
                 self._gather_burst(taken)
+            elif self._held and (taken or self.engine.scheduler.num_waiting):
+                self._flush()  # this step may admit a prefill: nothing held waits for it
+            started = time.monotonic()
             outputs = self.engine.step()
+            self._steps_short = (time.monotonic() - started < async_llm.HANDOVER_INTERVAL_S / 4
+                                 and not self.engine.scheduler.num_waiting)
             self._changed = True
             self._owe(sum(1 for out in outputs if out.finished))
             self._deliver(outputs)
@@ -246,10 +253,14 @@ class EngineCore:
             self._deliver([out])
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
-        """Merge outputs into those held, then send them all unless the API process is behind."""
+        """Merge outputs into those held, then send them all unless the API process is behind, or steps
+        are short and the last message went out less than async_llm.HANDOVER_INTERVAL_S ago (a message
+        costs both processes a wake-up and a system call whatever it carries)."""
         for out in outputs:
             prev = self._held.get(out.request_id)
             self._held[out.request_id] = out if prev is None else merge_outputs(prev, out)
+        if self._steps_short and time.monotonic() - self._sent_at < async_llm.HANDOVER_INTERVAL_S:
+            return
         if self._sender.backlog() == 0:
             self._flush()
 
@@ -257,6 +268,7 @@ class EngineCore:
         if self._held:
             self._sender.send(StepOutputs([self._pack(out) for out in self._held.values()], self._snapshot_if_due()))
             self._held.clear()
+            self._sent_at = time.monotonic()
 
     def _pack(self, out: RequestOutput) -> tuple:
         """pack_output, with a request's prompt logprobs sent once (the API side keeps them): the engine
