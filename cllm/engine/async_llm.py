@@ -96,12 +96,12 @@ COALESCE_MAX_S = 0.05
 # takes 1-5 ms, a CPU one more) are longer: every step hands over, as before. Held outputs never wait
 # for a step that may be long: anything held goes out before a step that admits requests (new or
 # waiting ones: a prefill), and none is held after a step that took more than a quarter of the interval.
-# Such a hand-over then waits (at most TAKEN_WAIT_S) until the loop has taken it: the woken loop would
+# Such a hand-over then waits (at most HANDOVER_WAIT_S) until the loop has run it: the woken loop would
 # otherwise wait for the GIL while the engine steps on, and every GIL release of those steps (numpy
 # releases it in each argmax) paid a futex wake-up of the waiting loop (perf: pthread_cond_signal, a
 # quarter of the engine thread's CPU) without the loop winning the race.
 HANDOVER_INTERVAL_S = 0.001
-TAKEN_WAIT_S = 0.001
+HANDOVER_WAIT_S = 0.001
 AHEAD_WAIT_S = 0.05
 BURST_QUIET_S = 0.001
 BURST_EXPECT_QUIET_S = 0.025
@@ -126,7 +126,6 @@ class _Outbox:
 
     held: dict[str, tuple[asyncio.Queue, RequestOutput]]  # request id -> its queue and its (merged) output
     free: threading.Event  # set once the loop has run the last hand-over (none outstanding)
-    taken: threading.Event  # set once the loop has started on the last hand-over
     sent_at: float = 0.0  # time.monotonic() of the last hand-over
     busy_s: float = 0.0  # how long the loop took over the last hand-over, to its SETTLE_ITERATIONS-th iteration
     freed_at: float = 0.0  # time.monotonic() when it had
@@ -408,7 +407,7 @@ class AsyncLLM:
     def _outbox(self, loop: asyncio.AbstractEventLoop) -> _Outbox:
         box = self._outboxes.get(loop)
         if box is None:
-            box = self._outboxes[loop] = _Outbox({}, threading.Event(), threading.Event())
+            box = self._outboxes[loop] = _Outbox({}, threading.Event())
             box.free.set()
         return box
 
@@ -427,11 +426,10 @@ class AsyncLLM:
         box.held.clear()
         self._holding.pop(loop, None)
         box.free.clear()
-        box.taken.clear()
         box.sent_at = time.monotonic()
         loop.call_soon_threadsafe(_put_all, items, box)
         if self._steps_short and not force:
-            box.free.wait(TAKEN_WAIT_S)
+            box.free.wait(HANDOVER_WAIT_S)
 
     def _flush_outboxes(self) -> None:
         """Hand over everything held (the engine is going idle: no later step would)."""
@@ -743,8 +741,6 @@ def _put_all(items: list[tuple[asyncio.Queue, Any]], box: _Outbox | None) -> Non
     """On the caller's loop: queue a hand-over's items, then tell the engine thread, once the loop has
     run SETTLE_ITERATIONS more times, that it was taken and how long that took (see COALESCE_MAX_S)."""
     started = time.monotonic()
-    if box is not None:
-        box.taken.set()
     try:
         for queue_, item in items:
             queue_.put_nowait(item)

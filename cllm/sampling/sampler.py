@@ -168,35 +168,27 @@ def _draw(logits: np.ndarray, rows: Sequence[SamplingRow], plan: _Plan, chosen: 
     nucleus_k = min(NUCLEUS_CANDIDATES, vocab)
     groups = plan.groups
     totals: dict[int, float] = {}  # row -> its softmax denominator (wide rows that need candidates)
-    if len(plan.wide) <= FEW_ROWS:  # per row, without the batch's array set-up (a third of a one-row step)
+    wide = plan.wide
+    if wide:
+        if len(wide) <= FEW_ROWS:  # per row, without the batch's array set-up (a third of a one-row step)
+            row_totals = []
+            for i, temp, top_p in zip(wide, plan.temps, plan.top_ps):
+                chosen[i], total = _single_token_nucleus(logits, i, temp, top_p)
+                row_totals.append(total)
+        else:
+            index = np.array(wide)
+            chosen[index], exact = _single_token_nuclei(logits, index, np.array(plan.temps), np.array(plan.top_ps))
+            row_totals = exact.tolist()
         rest = []
-        for i, temp, top_p in zip(plan.wide, plan.temps, plan.top_ps):
-            top, total = _single_token_nucleus(logits, i, temp, top_p)
-            if total is None:
-                chosen[i] = top
-                rows[i].rng.random()  # the draw that picks the top token, as the candidates' path would make
+        for i, total in zip(wide, row_totals):
+            if total != total:  # NaN: the top token alone holds the nucleus
+                rows[i].rng.random()  # the draw that picks it, as the candidates' path would make
             else:
                 totals[i] = total
                 rest.append(i)
         if rest:
             groups = {**groups, nucleus_k: sorted(groups.get(nucleus_k, []) + rest)}
-    else:
-        wide = plan.wide
-        index = np.array(wide, dtype=np.int64)
-        single, top, exact = _single_token_nuclei(logits, index, np.array(plan.temps), np.array(plan.top_ps))
-        if exact is None:  # the bound settled every row (peaked distributions: the usual case)
-            chosen[index] = top
-            for i in wide:
-                rows[i].rng.random()  # the draw that picks the top token, as the candidates' path would make
-        else:
-            chosen[index[single]] = top[single]
-            for j in np.flatnonzero(single).tolist():
-                rows[wide[j]].rng.random()
-            rest = np.flatnonzero(~single).tolist()
-            if rest:
-                totals = dict(zip([wide[j] for j in rest], exact[rest].tolist()))
-                groups = {**groups, nucleus_k: sorted(groups.get(nucleus_k, []) + [wide[j] for j in rest])}
-    full = groups.get(0, [])
+    full = list(groups.get(0, []))
     for k, members in groups.items():
         if k == 0:
             continue
@@ -205,44 +197,40 @@ def _draw(logits: np.ndarray, rows: Sequence[SamplingRow], plan: _Plan, chosen: 
         tokens = _draw_from_candidates(sub, top_candidates(sub, k), [rows[i] for i in members], vocab, row_totals)
         for i, token in zip(members, tokens.tolist()):
             if token < 0:
-                full = full + [i]
+                full.append(i)
             else:
                 chosen[i] = token
     if full:
-        full = sorted(full)
+        full.sort()
         chosen[full] = _draw_full(logits[full], [rows[i] for i in full])
 
 
-def _single_token_nucleus(logits: np.ndarray, i: int, temp: float, top_p: float) -> tuple[int, float | None]:
-    """_single_token_nuclei for the one row ``i``, in Python floats: its top token, and None when that
-    token alone holds the nucleus, else the row's exact total. The same bound with the same margin, so
-    a row settles here exactly when its exact total would settle it (the bound only spares that sum)."""
+def _single_token_nucleus(logits: np.ndarray, i: int, temp: float, top_p: float) -> tuple[int, float]:
+    """_single_token_nuclei for the one row ``i``, in Python floats: its top token, and NaN when that
+    token alone holds the nucleus, else the row's exact total. The same bound with the same margin, and
+    the same exact total, so a row gets the same answer here as in a batch (the bound only settles rows
+    their exact totals would settle, sparing that sum)."""
     row = logits[i]
     top = int(row.argmax())
     best = row[top]
     row[top] = -np.inf
     second = float(row.max())
     row[top] = best
-    vocab = len(row)
-    if top_p * (1.0 + (vocab - 1) * math.exp((second - float(best)) / temp)) * (1 + 1e-6) <= 1.0:
-        return top, None
+    if top_p * (1.0 + (len(row) - 1) * math.exp((second - float(best)) / temp)) * (1 + 1e-6) <= 1.0:
+        return top, math.nan
     total = float(_softmax_totals(logits, np.array([i]), np.array([best]), np.array([temp]))[0])
-    return top, None if top_p * total <= 1.0 else total
+    return top, math.nan if top_p * total <= 1.0 else total
 
 
 def _single_token_nuclei(logits: np.ndarray, wide: np.ndarray, temps: np.ndarray,
-                         top_p: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-    """For the wide nucleus rows ``wide`` of ``logits`` (their temperatures and top_p): whether the top
-    token alone holds the nucleus's mass (1 >= top_p * total, the top token's weight being 1), the top
-    token (lowest id among ties), and the exact total of every row that the bounds did not settle
-    (NaN for the others; None when the bounds settled every row).
-
-    Upper bounds of a row's total come first, a pass over the row each: 1 + (vocab - 1) x w2, w2 being
-    the second token's weight; for the rows that leaves open, 1 + m x w2 + (vocab - 1 - m) x w, where m
-    tokens besides the top lie above a cut whose weight w spends half the slack (1 / top_p - 1) over
-    the whole vocabulary (an exp pass costs several compare passes). Only the rows neither settles
-    compute their exact totals. The bounds keep a 1e-6 margin, more than the float32 sums' rounding,
-    so they never answer differently from the exact total."""
+                         top_p: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For the wide nucleus rows ``wide`` of ``logits`` (their temperatures and top_p): the top token of
+    each (lowest id among ties), and the exact softmax total of each row whose top token does not hold
+    the nucleus's mass alone (1 < top_p * total, the top token's weight being 1); NaN for the rows it
+    does. The total is bounded first by 1 + (vocab - 1) * the second token's weight, which settles a
+    peaked row with two passes over it; only the other rows compute their exact totals. The bound
+    keeps a 1e-6 margin, more than the float32 sums' rounding, so it never answers differently from
+    the exact total."""
     whole = len(wide) == len(logits)
     x = logits if whole else logits[wide]  # the rows themselves (their top values put back below), or a copy
     n, vocab = x.shape
@@ -252,26 +240,13 @@ def _single_token_nuclei(logits: np.ndarray, wide: np.ndarray, temps: np.ndarray
     x[at_top] = -np.inf
     second = x[at_top[0], x.argmax(axis=1)].astype(np.float64)  # (argmax and a gather: a third faster than max)
     x[at_top] = best
-    maxima, best = best, best.astype(np.float64)
-    w2 = np.exp((second - best) / temps)
-    single = top_p * (1.0 + (vocab - 1) * w2) * (1 + 1e-6) <= 1.0
-    if single.all():
-        return single, top, None
-    open_ = np.flatnonzero(~single)
-    w_cut = (1.0 / top_p[open_] - 1.0) / (2 * (vocab - 1))
-    cut = best[open_] + temps[open_] * np.log(w_cut)
-    cut32 = cut.astype(np.float32)
-    cut32 = np.where(cut32 > cut, np.nextafter(cut32, np.float32(-np.inf)), cut32)  # rounded down: none missed
-    above = (x[open_] > cut32[:, None]).view(np.uint8).sum(axis=1, dtype=np.int64) - 1  # less the top
-    bound = 1.0 + above * w2[open_] + (vocab - 1 - above) * w_cut
-    single[open_] = top_p[open_] * bound * (1 + 1e-6) <= 1.0
-    if single.all():
-        return single, top, None
+    single = top_p * (1.0 + (vocab - 1) * np.exp((second - best) / temps)) * (1 + 1e-6) <= 1.0
     totals = np.full(n, np.nan)
-    unsure = np.flatnonzero(~single)
-    totals[unsure] = _softmax_totals(logits, wide[unsure], maxima[unsure], temps[unsure])
-    single[unsure] = top_p[unsure] * totals[unsure] <= 1.0
-    return single, top, totals
+    if not single.all():
+        unsure = np.flatnonzero(~single)
+        exact = _softmax_totals(logits, wide[unsure], best[unsure], temps[unsure])
+        totals[unsure] = np.where(top_p[unsure] * exact <= 1.0, np.nan, exact)
+    return top, totals
 
 
 def top_candidates(logits: np.ndarray, k: int) -> np.ndarray:

@@ -219,11 +219,12 @@ def test_wide_nucleus_rows_get_the_same_token_and_draws_alone_as_in_a_large_batc
                (0.5, 0.9), (0.8, 0.95)]]
     assert len(peaks) > sampler.FEW_ROWS
     ways = {"bound": 0, "exact": 0, "candidates": 0}
-    for i, (p, peak) in enumerate(zip(params, peaks)):
-        top, total = sampler._single_token_nucleus(logits[i:i + 1].copy(), 0, p.temperature, p.top_p)
-        single_by_bound, _, exact = sampler._single_token_nuclei(logits[i:i + 1].copy(), np.array([0]),
-                                                                 np.array([p.temperature]), np.array([p.top_p]))
-        ways["bound" if exact is None else "exact" if total is None else "candidates"] += 1
+    for i, p in enumerate(params):  # which way each row is settled, worked out here in float64
+        x = np.sort(logits[i].astype(np.float64))
+        if p.top_p * (1 + (vocab - 1) * np.exp((x[-2] - x[-1]) / p.temperature)) * (1 + 1e-6) <= 1:
+            ways["bound"] += 1
+        else:
+            ways["exact" if p.top_p * np.exp((x - x[-1]) / p.temperature).sum() <= 1 else "candidates"] += 1
     assert all(ways.values()), ways  # every way is exercised
     for seed in range(8):
         rows = [row(p, seed) for p in params]

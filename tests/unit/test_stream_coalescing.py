@@ -7,6 +7,8 @@ import asyncio
 import statistics
 import time
 
+import pytest
+
 import cllm
 from tests.unit.fakes import FakeBackend, fake_config
 
@@ -55,12 +57,35 @@ def test_a_loop_that_keeps_up_gets_every_step_at_once() -> None:
     assert sum(1 for n in sizes if n == 1) >= 0.8 * len(sizes)
 
 
-def test_a_caller_loop_that_ends_mid_stream_never_holds_the_engine_up() -> None:
+def test_short_steps_hand_every_token_over_in_order() -> None:
+    """Steps that cost nothing (under a quarter of HANDOVER_INTERVAL_S): the engine holds outputs for up
+    to HANDOVER_INTERVAL_S and waits for the loop to run each hand-over; every token still arrives, in
+    order, and the last output of each stream comes although no later step follows it."""
+    engine = cllm.AsyncLLM(backend=FakeBackend(slots=STREAMS), config=fake_config(n_seq_max=STREAMS))
+    params = cllm.SamplingParams(max_tokens=300, temperature=0, ignore_eos=True)
+
+    async def run() -> list[list[int]]:
+        async def read(prompt: int) -> list[int]:
+            tokens: list[int] = []
+            async for out in engine.generate([prompt], params):
+                tokens += out.outputs[0].token_ids_delta
+                if out.finished:
+                    assert out.outputs[0].token_ids == tokens
+            return tokens
+        try:
+            return await asyncio.gather(*(read(1 + i) for i in range(STREAMS)))
+        finally:
+            await engine.shutdown()
+    assert [len(t) for t in asyncio.run(asyncio.wait_for(run(), timeout=60))] == [300] * STREAMS
+
+
+@pytest.mark.parametrize("forward_sleep_s", [0.0, 0.0005])  # short steps (the waited hand-over) and not
+def test_a_caller_loop_that_ends_mid_stream_never_holds_the_engine_up(forward_sleep_s: float) -> None:
     """A caller's loop that ends with its request still running (the settle callbacks of a hand-over in
     flight may never run there) does not hold the engine up: the next loop's request runs at full pace.
     (Whether a hand-over is in flight at that moment is up to timing, so this guards the outcome, not the
     closed-loop branch of AsyncLLM._hand_over in particular.)"""
-    engine = cllm.AsyncLLM(backend=FakeBackend(slots=4, forward_sleep_s=0.0005), config=fake_config(n_seq_max=4))
+    engine = cllm.AsyncLLM(backend=FakeBackend(slots=4, forward_sleep_s=forward_sleep_s), config=fake_config(n_seq_max=4))
     params = cllm.SamplingParams(max_tokens=2000, temperature=0, ignore_eos=True)
 
     async def leave_early() -> None:
