@@ -178,8 +178,7 @@ class EngineCore:
                 self._flush()  # this step may admit a prefill: nothing held waits for it
             started = time.monotonic()
             outputs = self.engine.step()
-            self._steps_short = (time.monotonic() - started < async_llm.HANDOVER_INTERVAL_S / 4
-                                 and not self.engine.scheduler.num_waiting)
+            self._steps_short = async_llm.steps_are_short(time.monotonic() - started, self.engine)
             self._changed = True
             self._owe(sum(1 for out in outputs if out.finished))
             self._deliver(outputs)
