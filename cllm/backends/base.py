@@ -209,6 +209,9 @@ class Backend(ABC):
     supports_state_swap: bool = False
     supports_embeddings: bool = False
     supports_speculation: bool = False  # truncate() works: draft tokens can be verified and rolled back
+    # A sequence with draft tokens in a step with other sequences runs them as a forward pass of its own
+    # (llama.cpp's split KV cache: a micro-batch holds consecutive seq_ids with equal token counts).
+    drafts_run_apart: bool = False
 
     @property
     def embedding_max_tokens(self) -> int:

@@ -338,7 +338,7 @@ class LLMEngine:
         if self.speculator is not None and all(c.num_tokens == 1 + len(c.draft) for c in out.chunks):
             # A decode step's cost by its size (every token has a logits row: the rows drafts add), its
             # sampling and verification included (on CUDA the host waits for the device there).
-            self.speculator.observe_step(out.num_tokens, time.perf_counter() - started)
+            self.speculator.observe_step(out.chunks, time.perf_counter() - started)
 
     def _forward(self, chunks: list[ScheduledChunk]) -> tuple[np.ndarray, list[tuple[ScheduledChunk, np.ndarray]]]:
         """The step's forward pass: the logits rows of the chunks that sample (no draft), and for each

@@ -10,6 +10,13 @@ Every m is compared, not only the next one, because a step's cost can jump (on C
 step replays a graph and a step with drafts runs eagerly: the first draft token is expensive, the
 next ones nearly free). On a busy batch (E large, T growing with every token) m = 0 wins: no
 sequence speculates.
+
+Where drafts run apart (llama.cpp's split KV cache: ``Backend.drafts_run_apart``) and the step has
+other sequences, each sequence that verifies k draft tokens adds a forward pass of its own, costing
+about what a step of k tokens costs (``T(k)``): the step costs T(base) + the sum of T(k) over those
+sequences. Counted by tokens alone (T(base + m)), 16 decoding sequences with 6 draft tokens among them
+looked like a 22-token step (61 ms planned) and took 141 ms: n-gram speculation made a 16-client
+server 17-27 % slower (benchmarks/vs_llama_server.py, workload a).
 """
 from __future__ import annotations
 
@@ -35,17 +42,19 @@ class Candidate:
 
 
 def plan(candidates: list[Candidate], base_tokens: int, num_sampled: int, cost: StepCost, budget: int,
-         depth_seconds: float = 0.0) -> None:
+         depth_seconds: float = 0.0, *, apart: bool = False) -> None:
     """Set each candidate's ``take``. ``base_tokens``: the step's tokens without drafts; ``num_sampled``:
     sequences that sample a token; ``budget``: most draft tokens in all; ``depth_seconds``: the extra
-    cost of proposing one token deeper than any sequence so far (a draft model's decode step)."""
+    cost of proposing one token deeper than any sequence so far (a draft model's decode step);
+    ``apart``: each drafting sequence runs its drafts as a pass of its own when others share the step."""
+    apart = apart and num_sampled > 1
     seconds = cost.seconds(base_tokens)
-    if not seconds:  # unknown (or, for an empty step, 0): explore
-        for c in candidates:
+    if not seconds:  # unknown (or, for an empty step, 0): explore (one sequence only where each costs a pass)
+        for c in candidates[:1] if apart else candidates:
             c.take = min(c.limit, EXPLORE_TOKENS, budget)
             budget -= c.take
         return
-    expected, depth, depth_total = float(num_sampled), 0, 0.0
+    expected, depth, depth_total, passes = float(num_sampled), 0, 0.0, 0.0
     best_rate, best_m = expected / seconds, 0
     taken: list[tuple[int, int]] = []  # (candidate, depth) in the order of falling gains
     heap = [(-c.acceptance, i, 1) for i, c in enumerate(candidates) if c.limit > 0 and c.acceptance > 0]
@@ -58,7 +67,12 @@ def plan(candidates: list[Candidate], base_tokens: int, num_sampled: int, cost: 
         expected -= neg_gain
         if j > depth:
             depth, depth_total = j, depth_total + depth_seconds
-        rate = expected / ((cost.seconds(base_tokens + len(taken)) or seconds) + depth_total)
+        if apart:  # its own pass grows from j - 1 to j tokens
+            passes += (cost.seconds(j) or seconds) - ((cost.seconds(j - 1) or 0.0) if j > 1 else 0.0)
+            step = seconds + passes
+        else:
+            step = cost.seconds(base_tokens + len(taken)) or seconds
+        rate = expected / (step + depth_total)
         if rate > best_rate:
             best_rate, best_m = rate, len(taken)
         if j < candidates[i].limit:

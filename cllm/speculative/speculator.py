@@ -58,8 +58,10 @@ class SpeculationStats:
 class Speculator:
     """Decides, per step, which decoding sequences verify draft tokens and which tokens."""
 
-    def __init__(self, config: SpeculativeConfig, *, draft_model: DraftModel | None = None) -> None:
+    def __init__(self, config: SpeculativeConfig, *, draft_model: DraftModel | None = None,
+                 drafts_run_apart: bool = False) -> None:
         self.method = "draft" if draft_model is not None else "ngram"
+        self._apart = drafts_run_apart  # the backend's Backend.drafts_run_apart
         self.max_tokens = config.num_speculative_tokens
         self._n_range = (config.speculative_ngram_min, config.speculative_ngram_max)
         self._draft = draft_model
@@ -89,7 +91,7 @@ class Speculator:
         seqs = [self._sequence(c.request) for c in chunks]
         depth_seconds = self._draft.step_seconds() if self._draft is not None else 0.0
         upper = [Candidate(seq.acceptance, limit) for seq, limit in zip(seqs, limits)]
-        plan(upper, out.num_tokens, num_sampled, self.cost, budget, depth_seconds)
+        plan(upper, out.num_tokens, num_sampled, self.cost, budget, depth_seconds, apart=self._apart)
         if not any(c.take for c in upper):
             self._resting[size] = REST_STEPS
             return []
@@ -106,7 +108,7 @@ class Speculator:
             if tokens:
                 proposals.append((c, tokens))
                 candidates.append(Candidate(seq.acceptance, len(tokens)))
-        plan(candidates, out.num_tokens, num_sampled, self.cost, budget, depth_seconds)
+        plan(candidates, out.num_tokens, num_sampled, self.cost, budget, depth_seconds, apart=self._apart)
         chosen = [(c, tokens[:cand.take]) for (c, tokens), cand in zip(proposals, candidates) if cand.take > 0]
         if not chosen:  # nothing to copy now: look again after a few steps (fewer for a small batch)
             self._resting[size] = min(REST_STEPS, num_sampled)
@@ -119,9 +121,13 @@ class Speculator:
             seq = self._sequences[req.request_id] = _Sequence(ngrams)
         return seq
 
-    def observe_step(self, num_tokens: int, seconds: float) -> None:
-        """A step's token count and its time from the forward's start to its sampled tokens."""
-        self.cost.observe(num_tokens, seconds)
+    def observe_step(self, chunks: list[ScheduledChunk], seconds: float) -> None:
+        """A decode step's chunks and its time from the forward's start to its sampled tokens. Where drafts
+        run apart, a step in which several sequences verified drafts ran several forward passes: it says
+        nothing of one pass's cost by its tokens, which the planner adds up per pass."""
+        if self._apart and len(chunks) > 1 and any(c.draft for c in chunks):
+            return
+        self.cost.observe(sum(c.num_tokens for c in chunks), seconds)
 
     def verified(self, req: Request, proposed: int, accepted: int, emitted: int) -> None:
         """The outcome of one sequence's verification: ``accepted`` of ``proposed`` kept, ``emitted`` tokens out."""
@@ -157,8 +163,8 @@ def create_speculator(config: CllmConfig, backend: Backend) -> Speculator | None
     back KV. A draft model runs on a second backend of the same kind, with this config's other settings."""
     sc = config.speculative
     method = sc.speculative
-    if method == "auto":  # on only where it was measured never to lose: nowhere yet (docs/speculative.md)
-        method = "off"
+    if method == "auto":  # on only where it was measured never to lose (docs/speculative.md): llama.cpp
+        method = "ngram" if config.model.backend == "llama_cpp" else "off"
     if method == "off" or not backend.supports_speculation:
         return None
     draft = None
@@ -167,4 +173,4 @@ def create_speculator(config: CllmConfig, backend: Backend) -> Speculator | None
 
         draft_config = config.with_overrides(model=sc.speculative_model, speculative="off")
         draft = DraftModel(create_backend(draft_config), vocab_size=backend.tokenizer.vocab_size)
-    return Speculator(sc, draft_model=draft)
+    return Speculator(sc, draft_model=draft, drafts_run_apart=backend.drafts_run_apart)

@@ -181,6 +181,39 @@ def test_plan_busy_batch_with_linear_cost_proposes_nothing():
     assert sum(c.take for c in candidates) == 0
 
 
+def measured_llama_cpp_cost() -> StepCost:
+    """Decode steps of the embedded model on the 2-core Xeon, llama.cpp, by tokens (one sequence with
+    drafts at 1-5 tokens, 16 and 64 sequences without): the vs_llama_server.py workload (a) runs."""
+    cost = StepCost()
+    for n, seconds in [(1, 0.0146), (2, 0.0195), (3, 0.0233), (5, 0.0330), (16, 0.053), (64, 0.170)]:
+        for _ in range(3):
+            cost.observe(n, seconds)
+    return cost
+
+
+def test_plan_where_drafts_run_apart_a_busy_batch_pays_a_pass_per_drafting_sequence():
+    """llama.cpp's split KV cache runs each drafting sequence of a multi-sequence step as a pass of its
+    own: 16 sequences, likely drafts. Counted by tokens, drafting pays (a 16-token step costs little
+    more than a 1-token one); counted per pass, it does not (measured: 141 ms against 53 for 16
+    sequences with 6 draft tokens among them)."""
+    cost = measured_llama_cpp_cost()
+    by_tokens = [Candidate(acceptance=0.8, limit=8) for _ in range(16)]
+    plan(by_tokens, base_tokens=16, num_sampled=16, cost=cost, budget=1000)
+    assert sum(c.take for c in by_tokens) > 0
+    apart = [Candidate(acceptance=0.8, limit=8) for _ in range(16)]
+    plan(apart, base_tokens=16, num_sampled=16, cost=cost, budget=1000, apart=True)
+    assert sum(c.take for c in apart) == 0
+    # One sequence alone runs its drafts in its own pass anyway: the same plan either way.
+    alone, alone_apart = [Candidate(acceptance=0.9, limit=8)], [Candidate(acceptance=0.9, limit=8)]
+    plan(alone, base_tokens=1, num_sampled=1, cost=cost, budget=100)
+    plan(alone_apart, base_tokens=1, num_sampled=1, cost=cost, budget=100, apart=True)
+    assert alone[0].take == alone_apart[0].take > 0
+    # Unmeasured, a step where drafts run apart explores with one sequence, not all of them.
+    fresh = [Candidate(acceptance=0.5, limit=8) for _ in range(16)]
+    plan(fresh, base_tokens=16, num_sampled=16, cost=StepCost(), budget=1000, apart=True)
+    assert [c.take for c in fresh] == [EXPLORE_TOKENS] + [0] * 15
+
+
 def test_plan_one_likely_sequence_on_a_cheap_curve_gets_a_long_draft_bounded_by_limit_and_budget():
     cost = linear_cost(1e-5, fixed=0.010)  # weight-bandwidth bound: an extra token costs 0.1 % of a step
     one = [Candidate(acceptance=0.9, limit=24)]
@@ -374,3 +407,36 @@ def test_draft_model_kv_follows_the_sequence_when_a_draft_is_dropped():
     req.output_token_ids += [20, 21, 22, 23]  # the target went elsewhere, several steps, no drafts verified
     assert draft.propose([(req, 2)]) == {"r": [24, 25]}
     assert backend.kv["r"][:req.num_tokens] == req.all_token_ids  # (then the draft tokens it fed)
+
+
+def test_where_drafts_run_apart_a_multi_sequence_step_with_drafts_is_not_a_cost_by_tokens():
+    """Such a step ran several passes: observed by its tokens it would price a 4-token step at 0.5 s.
+    Steps of one pass (no drafts, or one sequence alone with its drafts) are observed as before."""
+    from types import SimpleNamespace
+
+    from cllm.config import SpeculativeConfig
+    from cllm.speculative.speculator import Speculator
+
+    def chunk(num_tokens: int) -> SimpleNamespace:
+        return SimpleNamespace(num_tokens=num_tokens, draft=list(range(num_tokens - 1)))
+
+    observed = {}
+    for apart in (True, False):
+        spec = Speculator(SpeculativeConfig(speculative="ngram"), drafts_run_apart=apart)
+        for _ in range(3):
+            spec.observe_step([chunk(1) for _ in range(16)], 0.05)
+            spec.observe_step([chunk(3), chunk(1)], 0.5)  # two sequences, one with drafts: two passes
+            spec.observe_step([chunk(2)], 0.02)  # one sequence with its drafts: one pass
+        observed[apart] = spec.cost.seconds(4)
+        assert spec.cost.seconds(2) == pytest.approx(0.02)
+    assert observed[True] < 0.05 < 0.5 == pytest.approx(observed[False])
+
+
+def test_auto_is_ngram_on_llama_cpp_and_off_on_torch():
+    from cllm.speculative.speculator import create_speculator
+
+    backend = SpeculatingFake(slots=4)
+    assert fake_config().model.backend == "llama_cpp"
+    assert create_speculator(fake_config(), backend).method == "ngram"
+    assert create_speculator(fake_config(backend="torch"), backend) is None
+    assert create_speculator(fake_config(speculative="off"), backend) is None

@@ -89,6 +89,7 @@ class LlamaCppBackend(Backend):
                                   if lc.prefix_cache else 0)
         self._similarity = lc.slot_prompt_similarity
         self._unified = lc.kv_unified
+        self.drafts_run_apart = not lc.kv_unified  # (llama_batch_allocr::split_equal, sequential)
         # With split KV, llama.cpp batches into one micro-batch only sequences whose seq_ids run
         # consecutively (see forward_batch), so a prompt takes an idle seq_id next to a running one
         # (SeqSlotPool.choose with pack) and its cached prefix is moved there (_copy_prefix, or a load
