@@ -62,7 +62,7 @@ class IncrementalDetokenizer:
                 self._tail += data.decode()  # (a fifth of the time of the codecs decoder's Python)
             except UnicodeDecodeError:
                 self._tail += self._decode(data)
-        stop = self._check_stop(before) if check_stop else None
+        stop = self._check_stop(before) if check_stop and self._stop else None
         if len(self._tail) > TAIL_CHARS + self._longest:
             self._trim()
         return stop

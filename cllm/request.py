@@ -23,7 +23,7 @@ class RequestStatus(enum.IntEnum):
 
     @property
     def is_finished(self) -> bool:
-        return self >= _FIRST_FINAL  # a plain int: enum member lookups cost ~10x this comparison
+        return self >= FIRST_FINAL  # a plain int: enum member lookups cost ~10x this comparison
 
     @property
     def finish_reason(self) -> str | None:
@@ -31,7 +31,7 @@ class RequestStatus(enum.IntEnum):
         return _FINISH_REASONS.get(self)
 
 
-_FIRST_FINAL = int(RequestStatus.FINISHED_STOPPED)
+FIRST_FINAL = int(RequestStatus.FINISHED_STOPPED)  # statuses from here on are final
 _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH: "length",

@@ -23,6 +23,7 @@ loop then compete for the GIL around each wait exactly as they do around a CUDA 
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
@@ -123,17 +124,17 @@ class NullBackend(Backend):
         return Admission(0)
 
     def reserve(self, sequence_id: str, num_tokens: int) -> bool:
-        if num_tokens > self._cap.max_model_len:
-            return False
-        self._held[sequence_id] = max(self._held[sequence_id], num_tokens)
+        held = self._held
+        if num_tokens > held[sequence_id]:  # (every decode asks each step: the common answer first)
+            if num_tokens > self._cap.max_model_len:
+                return False
+            held[sequence_id] = num_tokens
         return True
 
     def forward_batch(self, flat_ids: Sequence[int], positions: Sequence[int], sequence_ids: Sequence[str], *,
                       logits_for: Sequence[str] | None = None, all_logits_for: Sequence[str] = ()) -> Any:
         self.num_forwards += 1
-        counts: dict[str, int] = {}
-        for sid in sequence_ids:
-            counts[sid] = counts.get(sid, 0) + 1
+        counts = Counter(sequence_ids)
         for sid, n in counts.items():  # positions continue each sequence's KV, as a real backend checks
             if sid not in self._computed:
                 raise BackendError(f"sequence {sid!r} was not admitted", [sid])

@@ -347,12 +347,18 @@ class LLMEngine:
         pos: list[int] = []
         seqs: list[str] = []
         for c in chunks:
+            req, start, n = c.request, c.start, c.num_tokens
+            if n == 1 and not c.draft:  # a decode (most chunks of a busy step): no list building
+                flat.append(req.token_at(start))
+                pos.append(start)
+                seqs.append(req.request_id)
+                continue
             if c.draft:
-                flat += c.request.tokens_between(c.start, c.start + c.num_tokens - len(c.draft)) + c.draft
+                flat += req.tokens_between(start, start + n - len(c.draft)) + c.draft
             else:
-                flat += c.request.tokens_between(c.start, c.start + c.num_tokens)
-            pos += range(c.start, c.start + c.num_tokens)
-            seqs += [c.request.request_id] * c.num_tokens
+                flat += req.tokens_between(start, start + n)
+            pos += range(start, start + n)
+            seqs += [req.request_id] * n
         wanted = [c.request.request_id for c in chunks if c.sample and not c.draft]
         scored = [c for c in chunks if c.request.needs_prompt_logits]
         drafted = [c for c in chunks if c.draft]
@@ -396,7 +402,7 @@ class LLMEngine:
         sampled = sample_logits(logits, rows) if reqs else []
         by_id = {r.request_id: s for r, s in zip(reqs, sampled)}
         now = time.monotonic()
-        for req in self.scheduler.update_from_output(out, {k: s.token_id for k, s in by_id.items()}):
+        for req in self.scheduler.update_from_output(out, by_id):
             group, index = self._group_of[req.request_id]
             if req.metrics.first_token_time is None:
                 req.metrics.first_token_time = now

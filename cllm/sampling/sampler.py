@@ -29,15 +29,48 @@ TOTALS_BLOCK_VALUES = 65536
 FEW_ROWS = 4
 
 
+GREEDY = -1  # SamplingRow.draw: the row takes its argmax
+WIDE = -2  # SamplingRow.draw: a nucleus over the whole vocabulary's mass (_single_token_nuclei)
+
+
 @dataclass(slots=True)
 class SamplingRow:
-    """What the sampler needs of one sequence this step."""
+    """What the sampler needs of one sequence this step. What it makes of ``params`` (fixed for a
+    request) is found once, not every step: reading a dozen settings per row and step was a third
+    of a 256-row sampling call."""
 
     params: SamplingParams  # the request's settings
     rng: np.random.Generator  # the request's own generator
     prompt_token_ids: Sequence[int]  # for the repetition penalty
     output_token_ids: Sequence[int]  # for all penalties and min_tokens
     stop_ids: frozenset[int]  # EOS + stop_token_ids (suppressed before min_tokens)
+    # logit_bias, a penalty, min_tokens or logprobs: the row takes the per-setting pass
+    adjusted: bool = field(init=False)
+    # How the row draws over a vocabulary of draw_vocab tokens (0: not found yet): GREEDY, WIDE,
+    # or from its top k candidates (k > 0), or the whole distribution (0).
+    draw_vocab: int = field(init=False, default=0)
+    draw: int = field(init=False, default=0)
+
+    def __post_init__(self) -> None:
+        p = self.params
+        self.adjusted = bool(p.logit_bias or p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty
+                             or p.logprobs is not None or (p.min_tokens and self.stop_ids))
+
+    def draw_for(self, vocab: int) -> int:
+        """``draw`` for a vocabulary of ``vocab`` tokens (found on first use)."""
+        if self.draw_vocab != vocab:
+            p = self.params
+            nucleus_k = min(NUCLEUS_CANDIDATES, vocab)
+            if p.temperature == 0.0:
+                self.draw = GREEDY
+            elif p.top_k and p.top_k < vocab:
+                self.draw = p.top_k
+            elif p.top_p < 1.0 and p.min_p <= 0 and nucleus_k < vocab:
+                self.draw = WIDE
+            else:
+                self.draw = nucleus_k if p.top_p < 1.0 or p.min_p > 0 else 0
+            self.draw_vocab = vocab
+        return self.draw
 
 
 @dataclass(slots=True)
@@ -76,10 +109,8 @@ class _Plan:
     logprob_rows: list[int] = field(default_factory=list)  # rows that want logprobs
     greedy: list[int] = field(default_factory=list)  # rows that take their argmax
     # Rows whose nucleus is a share of the whole vocabulary's mass (top_p without a top_k or min_p
-    # cut), with their temperatures and top_p: the top token alone often holds it (_single_token_nuclei).
+    # cut): the top token alone often holds it (_single_token_nuclei).
     wide: list[int] = field(default_factory=list)
-    temps: list[float] = field(default_factory=list)
-    top_ps: list[float] = field(default_factory=list)
     # The other drawn rows by how many top candidates they draw from (0: the whole distribution).
     groups: dict[int, list[int]] = field(default_factory=dict)
 
@@ -88,31 +119,28 @@ def _apply_biases_and_penalties(logits: np.ndarray, rows: Sequence[SamplingRow])
     """logit_bias, penalties and min_tokens' suppression of stop tokens, in that order; returns what
     each row needs next (logprobs, argmax, or which kind of draw)."""
     vocab = logits.shape[1]
-    nucleus_k = min(NUCLEUS_CANDIDATES, vocab)
     plan = _Plan()
     penalised = False
     suppressed: list[int] = []
     for i, row in enumerate(rows):
-        p = row.params
-        if p.logit_bias:
-            ids = np.fromiter(p.logit_bias.keys(), dtype=np.int64)
-            logits[i, ids] += np.fromiter(p.logit_bias.values(), dtype=np.float32)
-        if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty:
-            penalised = True
-        if p.min_tokens and row.stop_ids and len(row.output_token_ids) < p.min_tokens:
-            suppressed.append(i)
-        if p.logprobs is not None:
-            plan.logprob_rows.append(i)
-        if p.temperature == 0.0:
+        if row.adjusted:
+            p = row.params
+            if p.logit_bias:
+                ids = np.fromiter(p.logit_bias.keys(), dtype=np.int64)
+                logits[i, ids] += np.fromiter(p.logit_bias.values(), dtype=np.float32)
+            if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty:
+                penalised = True
+            if p.min_tokens and row.stop_ids and len(row.output_token_ids) < p.min_tokens:
+                suppressed.append(i)
+            if p.logprobs is not None:
+                plan.logprob_rows.append(i)
+        draw = row.draw if row.draw_vocab == vocab else row.draw_for(vocab)
+        if draw == GREEDY:
             plan.greedy.append(i)
-        elif p.top_k and p.top_k < vocab:
-            plan.groups.setdefault(p.top_k, []).append(i)
-        elif p.top_p < 1.0 and p.min_p <= 0 and nucleus_k < vocab:
+        elif draw == WIDE:
             plan.wide.append(i)
-            plan.temps.append(p.temperature)
-            plan.top_ps.append(p.top_p)
         else:
-            plan.groups.setdefault(nucleus_k if p.top_p < 1.0 or p.min_p > 0 else 0, []).append(i)
+            plan.groups.setdefault(draw, []).append(i)
     if penalised:
         _apply_penalties(logits, rows)
     for i in suppressed:
@@ -170,23 +198,23 @@ def _draw(logits: np.ndarray, rows: Sequence[SamplingRow], plan: _Plan, chosen: 
     totals: dict[int, float] = {}  # row -> its softmax denominator (wide rows that need candidates)
     wide = plan.wide
     if wide:
+        wide_rows = [rows[i] for i in wide]
         if len(wide) <= FEW_ROWS:  # per row, without the batch's array set-up (a third of a one-row step)
             row_totals = []
-            for i, temp, top_p in zip(wide, plan.temps, plan.top_ps):
-                chosen[i], total = _single_token_nucleus(logits, i, temp, top_p)
+            for i, r in zip(wide, wide_rows):
+                chosen[i], total = _single_token_nucleus(logits, i, r.params.temperature, r.params.top_p)
                 row_totals.append(total)
         else:
             index = np.array(wide)
-            chosen[index], exact = _single_token_nuclei(logits, index, np.array(plan.temps), np.array(plan.top_ps))
+            chosen[index], exact = _single_token_nuclei(logits, index, np.array([r.params.temperature for r in wide_rows]),
+                                                        np.array([r.params.top_p for r in wide_rows]))
             row_totals = exact.tolist()
-        rest = []
-        for i, total in zip(wide, row_totals):
+        for r, total in zip(wide_rows, row_totals):
             if total != total:  # NaN: the top token alone holds the nucleus
-                rows[i].rng.random()  # the draw that picks it, as the candidates' path would make
-            else:
-                totals[i] = total
-                rest.append(i)
+                r.rng.random()  # the draw that picks it, as the candidates' path would make
+        rest = [i for i, total in zip(wide, row_totals) if total == total]
         if rest:
+            totals = {i: total for i, total in zip(wide, row_totals) if total == total}
             groups = {**groups, nucleus_k: sorted(groups.get(nucleus_k, []) + rest)}
     full = list(groups.get(0, []))
     for k, members in groups.items():

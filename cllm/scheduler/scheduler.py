@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import heapq
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -21,6 +22,7 @@ from cllm.scheduler.output import ScheduledChunk, SchedulerOutput
 from cllm.scheduler.queue import WaitingQueue
 
 if TYPE_CHECKING:
+    from cllm.sampling.sampler import SampledToken
     from cllm.speculative import Speculator
 
 
@@ -345,8 +347,8 @@ class Scheduler:
         return ScheduledChunk(req, req.num_computed_tokens, n, sample=end == req.num_tokens and req.max_tokens > 0)
 
     # --------------------------------------------------------------- update
-    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Record computed tokens and sampled ones; returns requests that got a token."""
+    def update_from_output(self, out: SchedulerOutput, sampled: Mapping[str, SampledToken]) -> list[Request]:
+        """Record computed tokens and sampled ones (by request id); returns requests that got a token."""
         got_token = []
         for chunk in out.chunks:
             req = chunk.request
@@ -356,8 +358,9 @@ class Scheduler:
             if req.max_tokens == 0 and req.num_computed_tokens >= req.num_tokens:
                 self.finish(req, RequestStatus.FINISHED_LENGTH)
                 continue
-            token = sampled.get(req.request_id)
-            if chunk.sample and token is not None:
+            got = sampled.get(req.request_id)
+            if chunk.sample and got is not None:
+                token = got.token_id
                 req.output_token_ids.append(token)
                 got_token.append(req)
                 status = self.stop_status(req, token)
