@@ -23,7 +23,6 @@ loop then compete for the GIL around each wait exactly as they do around a CUDA 
 from __future__ import annotations
 
 import time
-from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
@@ -134,7 +133,9 @@ class NullBackend(Backend):
     def forward_batch(self, flat_ids: Sequence[int], positions: Sequence[int], sequence_ids: Sequence[str], *,
                       logits_for: Sequence[str] | None = None, all_logits_for: Sequence[str] = ()) -> Any:
         self.num_forwards += 1
-        counts = Counter(sequence_ids)
+        counts: dict[str, int] = {}
+        for sid in sequence_ids:
+            counts[sid] = counts.get(sid, 0) + 1
         for sid, n in counts.items():  # positions continue each sequence's KV, as a real backend checks
             if sid not in self._computed:
                 raise BackendError(f"sequence {sid!r} was not admitted", [sid])

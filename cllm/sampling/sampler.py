@@ -27,34 +27,64 @@ CANDIDATE_GROUPS = 4096
 TOTALS_BLOCK_VALUES = 65536
 # Up to this many rows, per-row Python floats beat the batch's array set-up (_single_token_nucleus).
 FEW_ROWS = 4
+# Up to this many values above _near_bound's cut are summed in Python floats (fewer calls than numpy's).
+NEAR_IN_PYTHON = 16
+# Random numbers drawn from a request's generator at a time (SamplingRow.uniform).
+UNIFORMS_AHEAD = 64
 
 
 GREEDY = -1  # SamplingRow.draw: the row takes its argmax
 WIDE = -2  # SamplingRow.draw: a nucleus over the whole vocabulary's mass (_single_token_nuclei)
 
 
-@dataclass(slots=True)
 class SamplingRow:
-    """What the sampler needs of one sequence this step. What it makes of ``params`` (fixed for a
-    request) is found once, not every step: reading a dozen settings per row and step was a third
-    of a 256-row sampling call."""
+    """What the sampler needs of one sequence this step (``SamplingRow(params, rng, prompt_token_ids,
+    output_token_ids, stop_ids)``). What it makes of ``params`` (fixed for a request) is found once, not
+    every step: reading a dozen settings per row and step was a third of a 256-row sampling call."""
 
-    params: SamplingParams  # the request's settings
-    rng: np.random.Generator  # the request's own generator
-    prompt_token_ids: Sequence[int]  # for the repetition penalty
-    output_token_ids: Sequence[int]  # for all penalties and min_tokens
-    stop_ids: frozenset[int]  # EOS + stop_token_ids (suppressed before min_tokens)
-    # logit_bias, a penalty, min_tokens or logprobs: the row takes the per-setting pass
-    adjusted: bool = field(init=False)
-    # How the row draws over a vocabulary of draw_vocab tokens (0: not found yet): GREEDY, WIDE,
-    # or from its top k candidates (k > 0), or the whole distribution (0).
-    draw_vocab: int = field(init=False, default=0)
-    draw: int = field(init=False, default=0)
+    __slots__ = ("params", "_rng", "prompt_token_ids", "output_token_ids", "stop_ids", "adjusted", "draw_vocab",
+                 "draw", "_ahead", "_drawn", "_rewind")
 
-    def __post_init__(self) -> None:
-        p = self.params
+    def __init__(self, params: SamplingParams, rng: np.random.Generator, prompt_token_ids: Sequence[int],
+                 output_token_ids: Sequence[int], stop_ids: frozenset[int]) -> None:
+        self.params = params  # the request's settings
+        self._rng = rng  # the request's own generator (``rng``: positioned after the numbers used)
+        self.prompt_token_ids = prompt_token_ids  # for the repetition penalty
+        self.output_token_ids = output_token_ids  # for all penalties and min_tokens
+        self.stop_ids = stop_ids  # EOS + stop_token_ids (suppressed before min_tokens)
+        # logit_bias, a penalty, min_tokens or logprobs: the row takes the per-setting pass
+        p = params
         self.adjusted = bool(p.logit_bias or p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty
-                             or p.logprobs is not None or (p.min_tokens and self.stop_ids))
+                             or p.logprobs is not None or (p.min_tokens and stop_ids))
+        # How the row draws over a vocabulary of draw_vocab tokens (0: not found yet): GREEDY, WIDE,
+        # or from its top k candidates (k > 0), or the whole distribution (0).
+        self.draw_vocab = 0
+        self.draw = 0
+        self._ahead: list[float] = []  # numbers drawn ahead from the generator, not used yet (last first)
+        self._drawn = 0  # how many were drawn ahead
+        self._rewind: dict | None = None  # the generator's state before they were
+
+    def uniform(self) -> float:
+        """The request's next random number in [0, 1): exactly what ``rng.random()`` would return, drawn
+        UNIFORMS_AHEAD at a time (one generator call per row and step was a twentieth of a 256-row step;
+        ``Generator.random(n)`` yields the same stream as n single calls)."""
+        ahead = self._ahead
+        if not ahead:
+            self._rewind = self._rng.bit_generator.state
+            ahead.extend(self._rng.random(UNIFORMS_AHEAD)[::-1].tolist())
+            self._drawn = UNIFORMS_AHEAD
+        return ahead.pop()
+
+    @property
+    def rng(self) -> np.random.Generator:
+        """The request's generator, positioned right after the numbers used (what was drawn ahead is
+        given back), e.g. to save its state."""
+        if self._ahead:
+            used = self._drawn - len(self._ahead)
+            self._rng.bit_generator.state = self._rewind
+            self._rng.random(used)
+            self._ahead.clear()
+        return self._rng
 
     def draw_for(self, vocab: int) -> int:
         """``draw`` for a vocabulary of ``vocab`` tokens (found on first use)."""
@@ -196,26 +226,12 @@ def _draw(logits: np.ndarray, rows: Sequence[SamplingRow], plan: _Plan, chosen: 
     nucleus_k = min(NUCLEUS_CANDIDATES, vocab)
     groups = plan.groups
     totals: dict[int, float] = {}  # row -> its softmax denominator (wide rows that need candidates)
-    wide = plan.wide
-    if wide:
-        wide_rows = [rows[i] for i in wide]
-        if len(wide) <= FEW_ROWS:  # per row, without the batch's array set-up (a third of a one-row step)
-            row_totals = []
-            for i, r in zip(wide, wide_rows):
-                chosen[i], total = _single_token_nucleus(logits, i, r.params.temperature, r.params.top_p)
-                row_totals.append(total)
-        else:
-            index = np.array(wide)
-            chosen[index], exact = _single_token_nuclei(logits, index, np.array([r.params.temperature for r in wide_rows]),
-                                                        np.array([r.params.top_p for r in wide_rows]))
-            row_totals = exact.tolist()
-        for r, total in zip(wide_rows, row_totals):
-            if total != total:  # NaN: the top token alone holds the nucleus
-                r.rng.random()  # the draw that picks it, as the candidates' path would make
-        rest = [i for i, total in zip(wide, row_totals) if total == total]
+    if plan.wide:
+        rest = _draw_wide(logits, rows, plan.wide, chosen, totals)
         if rest:
-            totals = {i: total for i, total in zip(wide, row_totals) if total == total}
             groups = {**groups, nucleus_k: sorted(groups.get(nucleus_k, []) + rest)}
+    if not groups:
+        return
     full = list(groups.get(0, []))
     for k, members in groups.items():
         if k == 0:
@@ -233,21 +249,73 @@ def _draw(logits: np.ndarray, rows: Sequence[SamplingRow], plan: _Plan, chosen: 
         chosen[full] = _draw_full(logits[full], [rows[i] for i in full])
 
 
+def _draw_wide(logits: np.ndarray, rows: Sequence[SamplingRow], wide: list[int], chosen: np.ndarray,
+               totals: dict[int, float]) -> list[int]:
+    """The wide nucleus rows ``wide``: their top token into ``chosen``, and one number drawn from each
+    row whose top token holds the nucleus alone (the draw that picks it, as the candidates' path would
+    make); returns the others, with their softmax totals put in ``totals``."""
+    rest = []
+    if len(wide) <= FEW_ROWS:  # per row, without the batch's array set-up (a third of a one-row step)
+        for i in wide:
+            row = rows[i]
+            chosen[i], total = _single_token_nucleus(logits, i, row.params.temperature, row.params.top_p)
+            if total != total:  # NaN: the top token alone holds the nucleus
+                row.uniform()
+            else:
+                totals[i] = total
+                rest.append(i)
+        return rest
+    wide_rows = [rows[i] for i in wide]
+    index = np.array(wide)
+    chosen[index], exact = _single_token_nuclei(logits, index, np.array([r.params.temperature for r in wide_rows]),
+                                                np.array([r.params.top_p for r in wide_rows]))
+    for i, row, total in zip(wide, wide_rows, exact.tolist()):
+        if total != total:
+            row.uniform()
+        else:
+            totals[i] = total
+            rest.append(i)
+    return rest
+
+
 def _single_token_nucleus(logits: np.ndarray, i: int, temp: float, top_p: float) -> tuple[int, float]:
     """_single_token_nuclei for the one row ``i``, in Python floats: its top token, and NaN when that
     token alone holds the nucleus, else the row's exact total. The same bound with the same margin, and
-    the same exact total, so a row gets the same answer here as in a batch (the bound only settles rows
-    their exact totals would settle, sparing that sum)."""
+    the same exact total, so a row gets the same answer here as in a batch (a bound only settles rows
+    their exact totals would settle, sparing that sum). Between the two, a tighter bound that a batch
+    does without (_near_bound): for one row it costs less than the exact sum."""
     row = logits[i]
     top = int(row.argmax())
     best = row[top]
     row[top] = -np.inf
-    second = float(row.max())
+    second = float(row[row.argmax()])  # (argmax and an index: a quarter of max's time)
     row[top] = best
-    if top_p * (1.0 + (len(row) - 1) * math.exp((second - float(best)) / temp)) * (1 + 1e-6) <= 1.0:
+    best = float(best)
+    vocab = len(row)
+    if top_p * (1.0 + (vocab - 1) * math.exp((second - best) / temp)) * (1 + 1e-6) <= 1.0:
+        return top, math.nan
+    if top_p * _near_bound(row, best, temp, top_p) * (1 + 1e-6) <= 1.0:
         return top, math.nan
     total = float(_softmax_totals(logits, np.array([i]), np.array([best]), np.array([temp]))[0])
     return top, math.nan if top_p * total <= 1.0 else total
+
+
+def _near_bound(row: np.ndarray, best: float, temp: float, top_p: float) -> float:
+    """An upper bound on one row's softmax total (its top logit ``best`` weighing 1): exact over the
+    values at or above a cut, and each value below it counted at the cut's weight, the cut placed where
+    all of those together weigh at most half of what top_p leaves beside the top token (so a row that
+    is settled by a clear margin is settled by this bound). Summed in float64; the caller's 1e-6 margin
+    covers the float32 exact sum's rounding as for the other bound."""
+    vocab = len(row)
+    share = (1.0 / top_p - 1.0) / (2 * vocab)
+    if share >= 1.0:  # (top_p under 1 / (2 vocab + 1): no cut below the top token)
+        return math.inf
+    cut = np.float32(best + temp * math.log(share))
+    near = row[row >= cut]
+    far = (vocab - len(near)) * math.exp((float(cut) - best) / temp)
+    if len(near) > NEAR_IN_PYTHON:
+        return float(np.exp((near.astype(np.float64) - best) / temp).sum()) + far
+    return sum([math.exp((v - best) / temp) for v in near.tolist()]) + far
 
 
 def _single_token_nuclei(logits: np.ndarray, wide: np.ndarray, temps: np.ndarray,
@@ -373,7 +441,7 @@ def _draw_from_candidates(logits: np.ndarray, ids: np.ndarray, rows: Sequence[Sa
         ok[nucleus] &= cum[nucleus, -1] >= mass  # else a very flat distribution: the nucleus reaches beyond
         last[nucleus] = np.minimum(last[nucleus], np.count_nonzero(cum[nucleus] < mass[:, None], axis=1))
     u = np.zeros(n)
-    u[ok] = [rows[i].rng.random() for i in np.flatnonzero(ok)]
+    u[ok] = [rows[i].uniform() for i in np.flatnonzero(ok).tolist()]
     kept_mass = cum[np.arange(n), last]
     # cum never falls past `last` (flat after a min_p cut, rising past a nucleus), so the count stops there
     picked = np.count_nonzero(cum < (u * kept_mass)[:, None], axis=1)
@@ -407,7 +475,7 @@ def _draw_full(logits: np.ndarray, rows: Sequence[SamplingRow]) -> np.ndarray:
     for i, row in enumerate(rows):
         _truncate(probs[i], row.params)
     probs /= probs.sum(axis=1, keepdims=True)
-    u = np.array([r.rng.random() for r in rows])[:, None]
+    u = np.array([r.uniform() for r in rows])[:, None]
     cdf = np.cumsum(probs, axis=1)
     picked = (cdf < u * cdf[:, -1:]).sum(axis=1)
     return np.minimum(picked, logits.shape[1] - 1)

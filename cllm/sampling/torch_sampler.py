@@ -9,7 +9,7 @@ top alternatives) come back to the host. What goes to the device per step is
 small: the biased / penalised token ids and one uniform number per sampled row.
 
 That uniform comes from the request's own ``np.random.Generator`` (one
-``rng.random()`` per step, exactly as the numpy sampler draws it), so a seeded
+``SamplingRow.uniform()`` per step, exactly as the numpy sampler draws it), so a seeded
 request consumes the same random stream whichever sampler serves it and
 whatever its batch-mates are. The two samplers then pick the same token unless
 the uniform falls within float rounding of a CDF boundary (their cumulative
@@ -126,7 +126,7 @@ def _draw(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
     probs = scaled.exp_()
     probs /= probs.sum(dim=1, keepdim=True)
     kept, order = _truncate(probs, rows)
-    u = _to(device, np.array([r.rng.random() for r in rows], dtype=np.float64)).to(torch.float32)[:, None]
+    u = _to(device, np.array([r.uniform() for r in rows], dtype=np.float64)).to(torch.float32)[:, None]
     by_id = (probs.cumsum(dim=1) < u * probs.sum(dim=1, keepdim=True)).sum(dim=1).clamp_(max=vocab - 1)
     cum = kept.cumsum(dim=1)
     rank = (cum < u * cum[:, -1:]).sum(dim=1)

@@ -233,3 +233,44 @@ def test_wide_nucleus_rows_get_the_same_token_and_draws_alone_as_in_a_large_batc
         alone = [sample(logits[i:i + 1].copy(), [alone_rows[i]])[0].token_id for i in range(len(params))]
         assert together == alone
         assert [r.rng.random() for r in rows] == [r.rng.random() for r in alone_rows]
+
+
+def test_uniforms_drawn_ahead_are_the_generators_own_stream_and_its_state_stays_exact():
+    """SamplingRow.uniform draws UNIFORMS_AHEAD numbers at a time; they are the numbers single
+    rng.random() calls give, and ``rng`` (for a state snapshot) is positioned after the ones used."""
+    from cllm.sampling import sampler
+
+    for used in (0, 1, 5, sampler.UNIFORMS_AHEAD - 1, sampler.UNIFORMS_AHEAD, sampler.UNIFORMS_AHEAD + 3):
+        r = row(SamplingParams(temperature=1.0), seed=11)
+        plain = np.random.default_rng(11)
+        assert [r.uniform() for _ in range(used)] == [plain.random() for _ in range(used)]
+        assert r.rng.bit_generator.state == plain.bit_generator.state
+        assert r.rng.random() == plain.random()  # drawn straight from the generator after a snapshot
+        assert [r.uniform() for _ in range(3)] == [plain.random() for _ in range(3)]
+
+
+def test_near_bound_never_falls_below_the_exact_total_and_settles_clear_rows():
+    """_near_bound (one row's tighter bound) is an upper bound on the float32 exact softmax total within
+    the 1e-6 margin the callers apply, and above it by at most half of what top_p leaves beside the top
+    token, on peaked, flat and masked rows and at any temperature."""
+    from cllm.sampling import sampler
+
+    rng = np.random.default_rng(8)
+    settled = 0
+    for trial in range(400):
+        vocab = int(rng.choice([300, 1024, 5000]))
+        row = rng.normal(scale=float(rng.choice([0.5, 1.0, 3.0])), size=vocab).astype(np.float32)
+        row[rng.integers(vocab)] += float(rng.uniform(0, 16))
+        if trial % 7 == 0:
+            row[rng.integers(vocab, size=vocab // 3)] = -np.inf  # a grammar's mask
+        temp, top_p = float(rng.choice([0.3, 0.8, 1.5])), float(rng.choice([0.5, 0.9, 0.95, 0.999]))
+        best = float(row.max())
+        exact = float(sampler._softmax_totals(row[None], np.array([0]), np.array([best]), np.array([temp]))[0])
+        bound = sampler._near_bound(row, best, temp, top_p)
+        slack = 1 / top_p - 1  # what top_p leaves beside the top token's weight of 1
+        assert exact <= bound * (1 + 1e-6), (trial, bound, exact)
+        assert bound <= exact * (1 + 1e-6) + slack / 2, (trial, bound, exact)  # the values below the cut: half the slack
+        settled += top_p * bound * (1 + 1e-6) <= 1.0
+        if exact <= 1 + 0.45 * slack:  # settled by a clear margin: the bound settles it too
+            assert top_p * bound * (1 + 1e-6) <= 1.0, (trial, bound, exact)
+    assert settled > 50
