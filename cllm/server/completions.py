@@ -25,6 +25,8 @@ from cllm.server.streaming import sse_model
 
 # Prompts in one batched request; each becomes its own engine request.
 MAX_PROMPTS = 128
+# A token-id prompt up to this long is checked on the event loop (~40 µs), a longer one in a worker thread.
+INLINE_CHECK_TOKENS = 1024
 # Legacy completions default when max_tokens is omitted (as on api.openai.com).
 DEFAULT_MAX_TOKENS = 16
 _NORMAL_FINISH = ("stop", "length")
@@ -128,8 +130,13 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     model = state.require_ready()
     state.check_model(body.model)
     reject_unsupported(body)
-    # Checking a long token-id prompt is a Python loop over it: off the event loop (issue 9 defect 17).
-    prompts = await run_in_threadpool(prompts_of, body.prompt, model.limits.vocab_size)
+    # Checking a long token-id prompt is a Python loop over it: off the event loop (issue 9 defect 17);
+    # a text or a short one is checked at once (the thread's round trip costs more than the check).
+    prompt = body.prompt
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int) and len(prompt) <= INLINE_CHECK_TOKENS):
+        prompts = prompts_of(prompt, model.limits.vocab_size)
+    else:
+        prompts = await run_in_threadpool(prompts_of, prompt, model.limits.vocab_size)
     max_tokens = DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
     # echo scores the prompt; max_tokens=0 with echo (score only) needs prompt logprobs even without logprobs.
     prompt_logprobs = None
