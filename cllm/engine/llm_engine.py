@@ -26,7 +26,7 @@ from cllm.engine.stats import EngineStats, RateMeter, RunningRequestInfo
 from cllm.errors import ContextLengthError, QueueFullError
 from cllm.handoff.snapshot import RequestSnapshot
 from cllm.outputs import EmbeddingOutput, RequestOutput
-from cllm.request import Request, RequestStatus
+from cllm.request import FIRST_FINAL, Request, RequestStatus
 from cllm.sampling.params import SamplingParams
 from cllm.sampling.dispatch import sample_logits, stack_rows
 from cllm.sampling.sampler import SampledToken, SamplingRow
@@ -312,7 +312,7 @@ class LLMEngine:
     def _run(self, out: SchedulerOutput, touched: dict[str, RequestGroup]) -> None:
         sampled_reqs = [c.request for c in out.chunks if c.sample and not c.draft]
         # The grammar masks of this step's constrained rows are filled while the forward pass runs.
-        mask = self.structured.start_fill(sampled_reqs)
+        mask = self.structured.start_fill(sampled_reqs) if self.structured.active else None
         started = time.perf_counter()
         try:
             logits, verify = self._forward(out.chunks)
@@ -396,7 +396,9 @@ class LLMEngine:
     def _sample_and_update(self, out: SchedulerOutput, reqs: list[Request], logits: np.ndarray,
                            touched: dict[str, RequestGroup], mask: PendingMask | None = None,
                            verify: Sequence[tuple[ScheduledChunk, np.ndarray]] = ()) -> None:
-        self.structured.apply(logits, [r.request_id for r in reqs], mask)
+        structured = self.structured if self.structured.active else None
+        if mask is not None:
+            self.structured.apply(logits, [r.request_id for r in reqs], mask)
         kept = self._rows
         rows = [kept[r.request_id] for r in reqs]
         sampled = sample_logits(logits, rows) if reqs else []
@@ -404,12 +406,13 @@ class LLMEngine:
         now = time.monotonic()
         for req in self.scheduler.update_from_output(out, by_id):
             group, index = self._group_of[req.request_id]
-            if req.metrics.first_token_time is None:
-                req.metrics.first_token_time = now
-            req.metrics.last_token_time = now
+            metrics = req.metrics
+            if metrics.first_token_time is None:
+                metrics.first_token_time = now
+            metrics.last_token_time = now
             if self._defer_text and not req.params.stop:  # (stop strings decide the next step: never deferred)
                 self._deferred.append((group, index, by_id[req.request_id]))
-                if self.structured.accept(req) and req.status is RequestStatus.RUNNING:
+                if structured is not None and structured.accept(req) and req.status is RequestStatus.RUNNING:
                     self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)  # the grammar is complete
                 continue
             stop = group.on_token(index, by_id[req.request_id])
@@ -418,7 +421,7 @@ class LLMEngine:
             if stop is not None and req.status in (RequestStatus.RUNNING, RequestStatus.FINISHED_STOPPED):
                 req.stop_reason = stop
                 self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
-            if self.structured.accept(req) and req.status is RequestStatus.RUNNING:
+            if structured is not None and structured.accept(req) and req.status is RequestStatus.RUNNING:
                 self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)  # the grammar is complete
             touched[group.group_id] = group
         if verify:
@@ -426,7 +429,7 @@ class LLMEngine:
         for request_id, error in self.structured.take_broken().items():
             self._fail([request_id], error, touched)
         for chunk in out.chunks:  # requests that ended without a token (max_tokens=0 scores the prompt only)
-            if chunk.request.status.is_finished:
+            if chunk.request.status >= FIRST_FINAL:
                 self._touch(touched, chunk.request)
         self._generated_tokens += len(by_id)
         self._rate.add(len(by_id), now)

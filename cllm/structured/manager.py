@@ -61,6 +61,11 @@ class StructuredOutputs:
     def is_constrained(self, request_id: str) -> bool:
         return request_id in self._tracked
 
+    @property
+    def active(self) -> bool:
+        """Whether any running sequence is constrained (else a step skips the per-row checks)."""
+        return bool(self._tracked)
+
     def start_fill(self, requests: Sequence[Request]) -> PendingMask | None:
         """Begin filling the bitmask of every constrained row about to be sampled: all rows in one
         batched xgrammar call, in a worker thread so it overlaps the forward pass."""
