@@ -440,3 +440,41 @@ def test_auto_is_ngram_on_llama_cpp_and_off_on_torch():
     assert create_speculator(fake_config(), backend).method == "ngram"
     assert create_speculator(fake_config(backend="torch"), backend) is None
     assert create_speculator(fake_config(speculative="off"), backend) is None
+
+
+def test_a_sequence_drafts_deeper_only_after_whole_drafts_are_accepted():
+    """FIRST_DEPTH at first, doubled by each wholly accepted draft (up to num_speculative_tokens), cut
+    to twice what was accepted (at least 1) by a rejection."""
+    from cllm.config import SpeculativeConfig
+    from cllm.request import Request
+    from cllm.speculative import speculator as sp
+
+    spec = sp.Speculator(SpeculativeConfig(speculative="ngram", num_speculative_tokens=24))
+    req = Request("r", [1, 2, 3], cllm.SamplingParams(max_tokens=100, temperature=0), 100)
+    seq = spec._sequence(req)
+    depths = [seq.depth]
+    for proposed, accepted in [(4, 4), (8, 8), (16, 16), (24, 24), (24, 3), (6, 0), (1, 1), (2, 1)]:
+        spec.verified(req, proposed, accepted, accepted + 1)
+        depths.append(seq.depth)
+    assert depths == [sp.FIRST_DEPTH, 8, 16, 24, 24, 6, 1, 2, 2]
+
+
+def test_a_new_sequence_starts_from_the_engines_recent_acceptance():
+    """A server that has been copying text has a new request draft as a likely one; one whose drafts
+    keep failing has it start cautious. Its own record then takes over."""
+    from cllm.config import SpeculativeConfig
+    from cllm.request import Request
+    from cllm.speculative import speculator as sp
+
+    def request(i: int) -> Request:
+        return Request(f"r{i}", [1, 2, 3], cllm.SamplingParams(max_tokens=100, temperature=0), 100)
+
+    copying, failing = (sp.Speculator(SpeculativeConfig(speculative="ngram")) for _ in range(2))
+    assert copying._sequence(request(0)).acceptance == pytest.approx(sp.FIRST_PRIOR)
+    for i in range(1, 30):
+        copying.verified(request(i), 8, 8, 9)
+        failing.verified(request(i), 8, 0, 1)
+    likely, unlikely = copying._sequence(request(99)), failing._sequence(request(99))
+    assert likely.acceptance > 0.9 and unlikely.acceptance < 0.1
+    copying.verified(request(99), 4, 0, 1)  # its own first draft fails at once
+    assert likely.acceptance < 0.5
