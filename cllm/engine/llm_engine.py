@@ -312,7 +312,7 @@ class LLMEngine:
     def _run(self, out: SchedulerOutput, touched: dict[str, RequestGroup]) -> None:
         sampled_reqs = [c.request for c in out.chunks if c.sample and not c.draft]
         # The grammar masks of this step's constrained rows are filled while the forward pass runs.
-        mask = self.structured.start_fill(sampled_reqs) if self.structured.active else None
+        mask = self.structured.start_fill(sampled_reqs)
         started = time.perf_counter()
         try:
             logits, verify = self._forward(out.chunks)

@@ -43,7 +43,7 @@ class SamplingRow:
     every step: reading a dozen settings per row and step was a third of a 256-row sampling call."""
 
     __slots__ = ("params", "_rng", "prompt_token_ids", "output_token_ids", "stop_ids", "adjusted", "draw_vocab",
-                 "draw", "_ahead", "_drawn", "_rewind")
+                 "draw", "_ahead", "_rewind")
 
     def __init__(self, params: SamplingParams, rng: np.random.Generator, prompt_token_ids: Sequence[int],
                  output_token_ids: Sequence[int], stop_ids: frozenset[int]) -> None:
@@ -61,8 +61,7 @@ class SamplingRow:
         self.draw_vocab = 0
         self.draw = 0
         self._ahead: list[float] = []  # numbers drawn ahead from the generator, not used yet (last first)
-        self._drawn = 0  # how many were drawn ahead
-        self._rewind: dict | None = None  # the generator's state before they were
+        self._rewind: dict | None = None  # the generator's state before the last UNIFORMS_AHEAD were drawn
 
     def uniform(self) -> float:
         """The request's next random number in [0, 1): exactly what ``rng.random()`` would return, drawn
@@ -72,7 +71,6 @@ class SamplingRow:
         if not ahead:
             self._rewind = self._rng.bit_generator.state
             ahead.extend(self._rng.random(UNIFORMS_AHEAD)[::-1].tolist())
-            self._drawn = UNIFORMS_AHEAD
         return ahead.pop()
 
     @property
@@ -80,9 +78,8 @@ class SamplingRow:
         """The request's generator, positioned right after the numbers used (what was drawn ahead is
         given back), e.g. to save its state."""
         if self._ahead:
-            used = self._drawn - len(self._ahead)
             self._rng.bit_generator.state = self._rewind
-            self._rng.random(used)
+            self._rng.random(UNIFORMS_AHEAD - len(self._ahead))  # the ones used
             self._ahead.clear()
         return self._rng
 
@@ -254,24 +251,22 @@ def _draw_wide(logits: np.ndarray, rows: Sequence[SamplingRow], wide: list[int],
     """The wide nucleus rows ``wide``: their top token into ``chosen``, and one number drawn from each
     row whose top token holds the nucleus alone (the draw that picks it, as the candidates' path would
     make); returns the others, with their softmax totals put in ``totals``."""
-    rest = []
     if len(wide) <= FEW_ROWS:  # per row, without the batch's array set-up (a third of a one-row step)
+        row_totals = []
         for i in wide:
-            row = rows[i]
-            chosen[i], total = _single_token_nucleus(logits, i, row.params.temperature, row.params.top_p)
-            if total != total:  # NaN: the top token alone holds the nucleus
-                row.uniform()
-            else:
-                totals[i] = total
-                rest.append(i)
-        return rest
-    wide_rows = [rows[i] for i in wide]
-    index = np.array(wide)
-    chosen[index], exact = _single_token_nuclei(logits, index, np.array([r.params.temperature for r in wide_rows]),
-                                                np.array([r.params.top_p for r in wide_rows]))
-    for i, row, total in zip(wide, wide_rows, exact.tolist()):
-        if total != total:
-            row.uniform()
+            p = rows[i].params
+            chosen[i], total = _single_token_nucleus(logits, i, p.temperature, p.top_p)
+            row_totals.append(total)
+    else:
+        params = [rows[i].params for i in wide]
+        index = np.array(wide)
+        chosen[index], exact = _single_token_nuclei(logits, index, np.array([p.temperature for p in params]),
+                                                    np.array([p.top_p for p in params]))
+        row_totals = exact.tolist()
+    rest = []
+    for i, total in zip(wide, row_totals):
+        if total != total:  # NaN: the top token alone holds the nucleus
+            rows[i].uniform()
         else:
             totals[i] = total
             rest.append(i)

@@ -69,6 +69,8 @@ class StructuredOutputs:
     def start_fill(self, requests: Sequence[Request]) -> PendingMask | None:
         """Begin filling the bitmask of every constrained row about to be sampled: all rows in one
         batched xgrammar call, in a worker thread so it overlaps the forward pass."""
+        if not self._tracked:  # nothing constrained (most steps): no per-row look-up
+            return None
         self._settle()
         rows = [r for r in requests if r.request_id in self._tracked and self._sync(r)]
         if not rows:

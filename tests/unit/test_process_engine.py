@@ -243,3 +243,31 @@ def test_llama_cpp_forced_on_tokenizes_with_its_own_vocabulary_and_matches_in_pr
             await engine.shutdown()
     assert engine.device_text.startswith("llama_cpp on CPU")
     assert asyncio.run(run()) == expected
+
+
+@pytest.mark.parametrize("running", [False, True])
+def test_the_core_loop_ends_when_the_api_process_is_gone(running: bool) -> None:
+    """The core waits for commands on its own poll object; when the API process's end of the command pipe
+    closes (the parent died), the loop sees the hang-up, stops, and returns: idle, or mid-request."""
+    import multiprocessing
+
+    from cllm.engine.core_protocol import AddRequest, encode
+    from cllm.engine.engine_core import EngineCore, Sender
+    from cllm.engine.llm_engine import LLMEngine
+
+    config = load_config(None, environ={}, n_seq_max=2, max_waiting=8, log_level="warning")
+    engine = LLMEngine(config, backend=NullBackend(slots=2, step_ms=1.0))
+    api_commands, core_commands = multiprocessing.Pipe()
+    core_outputs, api_outputs = multiprocessing.Pipe()
+    sender = Sender(core_outputs)
+    if running:
+        params = SamplingParams(max_tokens=100_000, temperature=0.0, ignore_eos=True)
+        api_commands.send_bytes(encode(AddRequest("r", [300, 301], params, 0, None, [300, 301])))
+    core = threading.Thread(target=EngineCore(engine, core_commands, sender).run, daemon=True)
+    core.start()
+    time.sleep(0.3)
+    assert core.is_alive()
+    api_commands.close()
+    core.join(10)
+    assert not core.is_alive()
+    api_outputs.close()
