@@ -85,11 +85,13 @@ def engine_offline(model_dir: Path, args: argparse.Namespace) -> dict[int, float
             prompts = [_prompt_ids(i, args.prompt_len) for i in range(b)]
             params = cllm.SamplingParams(max_tokens=args.tokens, temperature=0, ignore_eos=True)
             llm.generate(prompts, cllm.SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
-            profile = _Profile(args.py_spy if b == LEVELS[-1] else None, f"engine_{b}", os.getpid(), 4)
             t0 = time.perf_counter()
             results = llm.generate(prompts, params)
             wall = time.perf_counter() - t0
-            profile.wait()
+            if args.py_spy and b == LEVELS[-1]:  # a profiled run after the measured one
+                profile = _Profile(args.py_spy, f"engine_{b}", os.getpid(), 4)
+                llm.generate(prompts, params)
+                profile.wait()
             bad = [r for r in results if r.outputs[0].finish_reason != "length"]
             if bad:
                 raise RuntimeError(f"engine run: {len(bad)} requests ended {bad[0].outputs[0].finish_reason}: {bad[0].error}")
@@ -107,7 +109,7 @@ class _Profile:
         self.proc = None
         if directory is not None and shutil.which("py-spy"):
             directory.mkdir(parents=True, exist_ok=True)
-            self.proc = subprocess.Popen(["py-spy", "record", "--pid", str(pid), "--duration", str(int(seconds)),
+            self.proc = subprocess.Popen(["py-spy", "record", "--pid", str(pid), "--subprocesses", "--threads", "--duration", str(int(seconds)),
                                           "--rate", "200", "--format", "raw", "--output", str(directory / f"{name}.txt")],
                                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             time.sleep(0.5)  # attached before the work starts
@@ -203,10 +205,13 @@ def serve(model_dir: Path, args: argparse.Namespace) -> dict:
         out["first_burst"] = drive(port, top, 1, 64, args)
         out[LEVELS[0]] = drive(port, LEVELS[0], 3, args.itl_tokens, args)
         out[LEVELS[1]] = drive(port, LEVELS[1], 4, args.tokens, args)
-        profile = _Profile(args.py_spy, f"server_{top}", proc.pid, 8)
         out[top] = drive(port, top, 5, args.tokens, args)
-        profile.wait()
         out["warm_burst"] = drive(port, top, 1, 64, args)
+        if args.py_spy:  # profiled runs after the measured ones: the API process and the engine core's
+            for level, per_stream, seconds in ((LEVELS[1], 8, 4), (top, 5, 7)):
+                profile = _Profile(args.py_spy, f"server_{level}", proc.pid, seconds)
+                out[f"profiled_{level}"] = drive(port, level, per_stream, args.tokens, args)
+                profile.wait()
         return out
     finally:
         proc.terminate()
@@ -286,7 +291,8 @@ def main() -> None:
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--smoke", action="store_true", help="CPU, a 2-layer model, 1/4/8 streams: checks the script")
     p.add_argument("--py-spy", type=Path, default=None, metavar="DIR",
-                   help="record py-spy profiles (raw stacks) of the engine's and the server's largest level here")
+                   help="after the measured runs, record py-spy profiles (raw stacks, with subprocesses and threads) of the "
+                        "engine's largest level and the server's two largest here")
     args = p.parse_args()
     global LEVELS
     args.device = "cuda"

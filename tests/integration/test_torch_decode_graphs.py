@@ -115,3 +115,41 @@ def test_a_tail_after_a_cached_prefix_attends_as_its_own_prefill_would(tmp_path:
                                               logits_for=["other", "split"], all_logits_for=["split"]))
     np.testing.assert_allclose(logits[2:], whole[12:], atol=1e-4, rtol=0)  # every tail token's logits
     np.testing.assert_allclose(logits[1], whole[18], atol=1e-4, rtol=0)
+
+
+def test_a_mixed_step_runs_its_decodes_through_the_graphs_and_keeps_every_row(tmp_path) -> None:
+    """A step with decodes beside prompt chunks (TorchBackend._forward_split): the decodes go through
+    the graph buckets, the chunks eagerly; every requested row (logits_for in any order, and every row
+    of an all_logits_for sequence) matches the one eager step of a backend without graphs, within
+    float32 rounding (the kernels differ), and the K/V both leave behind agree as well."""
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.1)
+    LlamaForCausalLM(cfg).eval().save_pretrained(tmp_path)
+    backends = [TorchBackend(load_config(environ={}, backend="torch", model=str(tmp_path), dtype="float32", device="cpu",
+                                         block_size=BLOCK, n_ctx=256, n_seq_max=8, n_threads=1, attention="flex"))
+                for _ in range(2)]
+    split, eager = backends
+    split._graphs = DecodeGraphs(split.model, split.kv, buckets=graph_buckets(8), scratch_block=split._scratch_block,
+                                 flex_fn=split._flex_fn, capture=False, q_per_kv=2)
+    rng = np.random.default_rng(2)
+    prompts = {seq: rng.integers(0, 300, size=n).tolist() for seq, n in (("a", 9), ("b", 14), ("c", 5))}
+    fresh = rng.integers(0, 300, size=11).tolist()  # a new prompt, prefilled in the mixed step
+    more_c = rng.integers(0, 300, size=6).tolist()  # c's next chunk: a multi-token chunk after its prefix
+    steps = []
+    for b in backends:
+        for seq, toks in prompts.items():
+            assert b.admit(seq, toks, reuse_prefix=False) is not None and b.reserve(seq, len(toks) + 8)
+            b.forward_batch(toks, list(range(len(toks))), [seq] * len(toks))
+        assert b.admit("d", fresh, reuse_prefix=False) is not None and b.reserve("d", len(fresh))
+        flat = [7, *fresh, 8, *more_c]  # a decode, a fresh prefill, a decode, a chunk after c's prefix
+        pos = [9, *range(11), 14, *range(5, 11)]
+        seqs = ["a"] + ["d"] * 11 + ["b"] + ["c"] * 6
+        steps.append(np.asarray(b.forward_batch(flat, pos, seqs, logits_for=["c", "b", "d", "a"], all_logits_for=["c"])))
+    assert steps[0].shape == (4 + 6, 300)
+    np.testing.assert_allclose(steps[0], steps[1], atol=1e-4, rtol=0)
+    assert list(split._graphs._by_size) == [2]  # the two decodes went through the graph buckets
+    for a, b in ((split.kv.k, eager.kv.k), (split.kv.v, eager.kv.v)):
+        keep = torch.ones(a.shape[2], dtype=torch.bool)
+        keep[split._scratch_block] = False
+        np.testing.assert_allclose(a[:, :, keep].numpy(), b[:, :, keep].numpy(), atol=1e-4, rtol=0)

@@ -343,7 +343,49 @@ class TorchBackend(Backend):
                 if rows != list(range(len(chunks))):
                     logits = logits.index_select(0, self._to_device(np.asarray(rows, dtype=np.int64)))
                 return self._out(logits)
+        elif self._graphs is not None:
+            logits = self._forward_split(ids, pos, seq_chunks, rows)
+            if logits is not None:
+                return self._out(logits)
         return self._out(self._forward_eager(ids, pos, seq_chunks, rows))
+
+    def _forward_split(self, ids: np.ndarray, pos: np.ndarray, seq_chunks: list[SeqChunk],
+                       rows: list[int]) -> torch.Tensor | None:
+        """A step with decodes (one-token chunks) beside longer chunks: the decodes replay a graph, the
+        rest run eagerly after it; None if there is no decode or no bucket holds them all.
+
+        Under load nearly every step is such a step (each finished request's successor brings its
+        prompt), and one eager forward over all of it cost the CPU several milliseconds of kernel
+        launches per step (at 256 streams on an H100: ~40 % of the engine process, steps 2.6 x the raw
+        decode step). Split, the eager part's launches overlap the graph's run on the device, and its
+        kernels see only the prompt tokens. The two parts write disjoint K/V slots and attend to their
+        own sequences only, so the order between them does not matter; a decode row's logits are its
+        graph's (the same kernels as a pure decode step)."""
+        decodes = [c for c in seq_chunks if c.num_tokens == 1]
+        if not decodes:
+            return None
+        starts = np.fromiter((c.row_start for c in decodes), dtype=np.int64, count=len(decodes))
+        decode_logits = self._graphs.run(ids[starts], [SeqChunk(i, 1, c.start_pos, c.block_ids) for i, c in enumerate(decodes)])
+        if decode_logits is None:
+            return None
+        rest = [c for c in seq_chunks if c.num_tokens > 1]
+        # each row's place in the combined [decode rows; rest rows] order
+        place = np.empty(len(ids), dtype=np.int64)
+        place[starts] = np.arange(len(decodes))
+        rest_rows = np.concatenate([np.arange(c.row_start, c.row_start + c.num_tokens) for c in rest])
+        place[rest_rows] = len(decodes) + np.arange(len(rest_rows))
+        rest_chunks, offset = [], 0
+        for c in rest:
+            rest_chunks.append(SeqChunk(offset, c.num_tokens, c.start_pos, c.block_ids))
+            offset += c.num_tokens
+        wanted = place[np.asarray(rows, dtype=np.int64)]
+        from_rest = wanted[wanted >= len(decodes)] - len(decodes)
+        rest_logits = self._forward_eager(ids[rest_rows], pos[rest_rows], rest_chunks, from_rest.tolist())
+        # combined: every decode row, then the rest's wanted rows in request order
+        combined = torch.cat([decode_logits, rest_logits.to(decode_logits.dtype)])
+        order = np.where(wanted < len(decodes), wanted, 0)
+        order[wanted >= len(decodes)] = len(decodes) + np.arange(len(from_rest))
+        return combined.index_select(0, self._to_device(order))
 
     def _forward_eager(self, ids: np.ndarray, pos: np.ndarray, seq_chunks: list[SeqChunk], rows: list[int]) -> torch.Tensor:
         """One step without a graph. If FlexAttention fails to compile for it, the step is run again with
