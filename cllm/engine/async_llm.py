@@ -31,8 +31,10 @@ from cllm.config import CllmConfig
 from cllm.engine.chat_request import attach_tool_calls, prepare_chat
 from cllm.engine.llm import make_engine
 from cllm.engine.llm_engine import LLMEngine, Prompt
+from cllm.engine.prompt_ids import prompt_token_ids
 from cllm.engine.stats import EngineStats, RunningRequestInfo
 from cllm.errors import EngineDeadError, QueueFullError, RequestHandedOffError
+from cllm.gc_freeze import freeze_live_objects
 from cllm.handoff.snapshot import RequestSnapshot
 from cllm.model_path import resolve_model_path
 from cllm.outputs import EmbeddingOutput, RequestOutput, merge_outputs
@@ -467,9 +469,7 @@ class AsyncLLM:
             await asyncio.sleep(0.01)
         rid = self._admit_checks(prompt, params, request_id)
         with self._arriving():
-            # Tokenising a long prompt, or checking a long token list, takes a while: off the caller's
-            # event loop (issue 9 defect 17).
-            ids = await asyncio.to_thread(self.engine.tokenize_prompt, prompt)
+            ids = await prompt_token_ids(self.engine.tokenize_prompt, prompt)
             self.engine.resolve_max_tokens(len(ids), params)
             params.check_vocab(self.tokenizer.vocab_size)
             if params.constraint_key is not None:
@@ -689,6 +689,7 @@ class AsyncLLM:
             else:
                 with self._state_lock:
                     swap()
+            freeze_live_objects()  # what the old engine left in reference cycles becomes collectable
         finally:
             self._switching = False
 

@@ -44,6 +44,7 @@ from cllm.engine.core_protocol import (
 )
 from cllm.engine.llm_engine import LLMEngine
 from cllm.errors import QueueFullError
+from cllm.gc_freeze import freeze_live_objects
 from cllm.outputs import RequestOutput, merge_outputs
 
 log = logging.getLogger("cllm.engine")
@@ -78,6 +79,7 @@ def run_engine_core(spec: CoreSpec, commands: Connection, outputs: Connection) -
                                in_thread_ok=True))
         sender.close()
         return
+    freeze_live_objects()
     sender.send_encoded(ready)
     EngineCore(engine, commands, sender).run()
 

@@ -33,6 +33,7 @@ from typing import Any
 from cllm.backends.base import Backend, Tokenizer
 from cllm.config import CllmConfig
 from cllm.engine.async_llm import next_merged_output
+from cllm.engine.prompt_ids import prompt_token_ids
 from cllm.engine.core_protocol import (
     AbortRequest, AddRequest, Admitted, CoreFailed, CoreReady, CoreStopped, EmbedDone, EmbedRequest, Snapshot,
     FrameReader, StepOutputs, StopCore, decode, unpack_output,
@@ -175,7 +176,7 @@ class ProcessEngine:
         params = params or SamplingParams()
         rid = self._admit_checks(params, request_id)
         self.start()
-        ids = await asyncio.to_thread(self.tokenize_prompt, prompt)
+        ids = await prompt_token_ids(self.tokenize_prompt, prompt)
         self.resolve_max_tokens(len(ids), params)
         params.check_vocab(self.tokenizer.vocab_size)
         self._admit_checks(params, rid)  # the core may have died, or the id been taken, meanwhile

@@ -11,6 +11,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from cllm.backends.base import Tokenizer
+from cllm.engine.prompt_ids import INLINE_PROMPT_LEN
 from cllm.outputs import RequestOutput
 from cllm.server.access_log import access_record
 from cllm.server.errors import bad_request, reject_unsupported
@@ -25,8 +26,6 @@ from cllm.server.streaming import sse_model
 
 # Prompts in one batched request; each becomes its own engine request.
 MAX_PROMPTS = 128
-# A token-id prompt up to this long is checked on the event loop (~40 µs), a longer one in a worker thread.
-INLINE_CHECK_TOKENS = 1024
 # Legacy completions default when max_tokens is omitted (as on api.openai.com).
 DEFAULT_MAX_TOKENS = 16
 _NORMAL_FINISH = ("stop", "length")
@@ -133,7 +132,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     # Checking a long token-id prompt is a Python loop over it: off the event loop (issue 9 defect 17);
     # a text or a short one is checked at once (the thread's round trip costs more than the check).
     prompt = body.prompt
-    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int) and len(prompt) <= INLINE_CHECK_TOKENS):
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int) and len(prompt) <= INLINE_PROMPT_LEN):
         prompts = prompts_of(prompt, model.limits.vocab_size)
     else:
         prompts = await run_in_threadpool(prompts_of, prompt, model.limits.vocab_size)

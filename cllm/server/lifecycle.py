@@ -18,6 +18,7 @@ from typing import Any
 from fastapi import FastAPI
 
 from cllm.config import CllmConfig
+from cllm.gc_freeze import freeze_live_objects
 from cllm.progress import model_load_phase
 from cllm.server.ready import ready_lines
 from cllm.server.sampling import RequestLimits
@@ -64,6 +65,7 @@ def attach_engine(state: ServerState, engine: Any) -> None:
     if state.phase is Phase.DRAINING:
         begin_drain(state)
         return
+    freeze_live_objects()
     state.phase = Phase.READY
     log.info("model %s ready (max_model_len=%d)", state.loaded.name, state.loaded.max_model_len)
     # The person's ready line: where to chat, where the API is, what runs, a curl to try.

@@ -9,6 +9,7 @@ from fastapi import Request
 from fastapi.testclient import TestClient
 
 import cllm
+from cllm.engine.prompt_ids import INLINE_PROMPT_LEN
 from cllm.server import routes
 from cllm.server.app import create_app
 from tests.unit.fakes import FakeBackend, fake_config
@@ -112,24 +113,31 @@ def test_prompts_are_tokenised_and_rendered_off_the_event_loop():
         inner = engine.engine
         tokenize_prompt, tokenize_chat = inner.tokenize_prompt, inner.tokenize_chat
 
-        def spy_prompt(*args, **kwargs):
-            seen.append(threading.current_thread().name)
-            return tokenize_prompt(*args, **kwargs)
+        def spy_prompt(prompt, *args, **kwargs):
+            seen.append((len(prompt), threading.current_thread().name))
+            return tokenize_prompt(prompt, *args, **kwargs)
 
         def spy_chat(*args, **kwargs):
-            seen.append(threading.current_thread().name)
+            seen.append(("chat", threading.current_thread().name))
             return tokenize_chat(*args, **kwargs)
         inner.tokenize_prompt, inner.tokenize_chat = spy_prompt, spy_chat
         loop_thread = client.portal.call(lambda: threading.current_thread().name)
-        assert client.post("/v1/completions", json={"prompt": "ab", "max_tokens": 2}).status_code == 200
+        long_text = "ab" * (INLINE_PROMPT_LEN // 2 + 1)  # a longer prompt is tokenised in a worker thread
+        assert client.post("/v1/completions", json={"prompt": long_text, "max_tokens": 2}).status_code == 200
         assert client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "ab"}],
                                                          "max_tokens": 2}).status_code == 200
         assert client.post("/tokenize", json={"messages": [{"role": "user", "content": "ab"}]}).status_code == 200
-    assert len(seen) >= 3 and loop_thread not in seen
+        # the long prompt and both chat renderings in worker threads; the chat's few rendered ids are
+        # checked on the loop, as a short prompt is: the thread's round trip costs more (issue 28)
+        assert {(what, thread == loop_thread) for what, thread in seen if what == "chat" or what > INLINE_PROMPT_LEN} \
+            == {("chat", False), (len(long_text), False)}
+        assert sum(1 for what, _ in seen if what == "chat") == 2
+        assert client.post("/v1/completions", json={"prompt": "ab", "max_tokens": 2}).status_code == 200
+        assert seen[-1] == (2, loop_thread)
 
 
 def test_token_lists_detokenize_and_async_chat_stay_off_the_event_loop():
-    # Issue 9 defect 17, the rest: token-id prompts (checked id by id), /detokenize, and AsyncLLM.chat
+    # Issue 9 defect 17, the rest: long token-id prompts (checked id by id), /detokenize, and AsyncLLM.chat
     # (Jinja + tokenising for Python callers) all run their O(size) work in worker threads.
     import asyncio
     import threading
@@ -151,7 +159,8 @@ def test_token_lists_detokenize_and_async_chat_stay_off_the_event_loop():
             return decode(*args, **kwargs)
         inner.tokenize_prompt, inner.tokenizer.decode = spy_prompt, spy_decode
         loop_thread = client.portal.call(lambda: threading.current_thread().name)
-        assert client.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 2}).status_code == 200
+        long_ids = [1 + i % 50 for i in range(INLINE_PROMPT_LEN + 1)]
+        assert client.post("/v1/completions", json={"prompt": long_ids, "max_tokens": 2}).status_code == 200
         assert client.post("/detokenize", json={"tokens": [1, 2, 3]}).json()["prompt"] == "bcd"
     assert {kind for kind, _ in seen} >= {"prompt", "decode"} and loop_thread not in {t for _, t in seen}
 
