@@ -93,7 +93,7 @@ def test_padding_rows_leave_real_rows_and_their_kv_unchanged(backend: TorchBacke
 @pytest.mark.parametrize("attention", ["sdpa", "flex"])
 def test_a_tail_after_a_cached_prefix_attends_as_its_own_prefill_would(tmp_path: "pytest.TempPathFactory", attention: str) -> None:
     """A short chunk after a cached prefix joins the step's decode group, one query per token
-    (attention._is_tail): its logits equal those of the same tokens evaluated in one prefill, within
+    (attention.is_tail): its logits equal those of the same tokens evaluated in one prefill, within
     float32 rounding (the kernels differ), alone and beside another sequence's decode."""
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -117,11 +117,13 @@ def test_a_tail_after_a_cached_prefix_attends_as_its_own_prefill_would(tmp_path:
     np.testing.assert_allclose(logits[1], whole[18], atol=1e-4, rtol=0)
 
 
-def test_a_mixed_step_runs_its_decodes_through_the_graphs_and_keeps_every_row(tmp_path) -> None:
-    """A step with decodes beside prompt chunks (TorchBackend._forward_split): the decodes go through
-    the graph buckets, the chunks eagerly; every requested row (logits_for in any order, and every row
-    of an all_logits_for sequence) matches the one eager step of a backend without graphs, within
-    float32 rounding (the kernels differ), and the K/V both leave behind agree as well."""
+def test_mixed_steps_run_decodes_and_tails_through_the_graphs_and_keep_every_row(tmp_path) -> None:
+    """Steps with decodes and short tails (attention.is_tail) beside other chunks
+    (TorchBackend._forward_split): the decodes and the tails' tokens go through the graph buckets, one
+    row each, the rest eagerly; a tail that no longer fits the largest bucket runs eagerly too. Every
+    requested row (logits_for in any order, every row of an all_logits_for sequence) matches the one
+    eager step of a backend without graphs, within float32 rounding (the kernels differ), and so does
+    the K/V both leave behind."""
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.1)
@@ -133,22 +135,31 @@ def test_a_mixed_step_runs_its_decodes_through_the_graphs_and_keeps_every_row(tm
     split._graphs = DecodeGraphs(split.model, split.kv, buckets=graph_buckets(8), scratch_block=split._scratch_block,
                                  flex_fn=split._flex_fn, capture=False, q_per_kv=2)
     rng = np.random.default_rng(2)
-    prompts = {seq: rng.integers(0, 300, size=n).tolist() for seq, n in (("a", 9), ("b", 14), ("c", 5))}
-    fresh = rng.integers(0, 300, size=11).tolist()  # a new prompt, prefilled in the mixed step
-    more_c = rng.integers(0, 300, size=6).tolist()  # c's next chunk: a multi-token chunk after its prefix
-    steps = []
-    for b in backends:
+    prompts = {seq: rng.integers(0, 300, size=n).tolist() for seq, n in (("a", 9), ("b", 14), ("c", 5), ("e", 3))}
+    fresh = rng.integers(0, 300, size=11).tolist()  # "d": a new prompt, prefilled in a mixed step
+    tail_c, tail_e = rng.integers(0, 300, size=6).tolist(), rng.integers(0, 300, size=7).tolist()
+    long_c = rng.integers(0, 300, size=40).tolist()  # longer than a tail: a chunk of its own
+    steps = [  # (flat ids, positions, sequences, logits_for, all_logits_for)
+        # decodes of a and b, a fresh prefill, c's tail: a, b and c's 6 tokens through bucket 8, d eagerly
+        ([7, *fresh, 8, *tail_c], [9, *range(11), 14, *range(5, 11)], ["a"] + ["d"] * 11 + ["b"] + ["c"] * 6,
+         ["c", "b", "d", "a"], ["c"]),
+        # decodes and a tail only, 3 + 7 rows: more than bucket 8 holds, so e's tail runs eagerly
+        ([5, 6, 9, *tail_e], [10, 15, 11, *range(3, 10)], ["a", "b", "d"] + ["e"] * 7, ["e", "a", "d", "b"], ["e"]),
+        # a decode beside a chunk too long to be a tail
+        ([4, *long_c], [11, *range(11, 51)], ["a"] + ["c"] * 40, ["a", "c"], ()),
+    ]
+    results: list[list[np.ndarray]] = [[], []]
+    for b, out in zip(backends, results):
         for seq, toks in prompts.items():
-            assert b.admit(seq, toks, reuse_prefix=False) is not None and b.reserve(seq, len(toks) + 8)
+            assert b.admit(seq, toks, reuse_prefix=False) is not None and b.reserve(seq, len(toks) + 50)
             b.forward_batch(toks, list(range(len(toks))), [seq] * len(toks))
-        assert b.admit("d", fresh, reuse_prefix=False) is not None and b.reserve("d", len(fresh))
-        flat = [7, *fresh, 8, *more_c]  # a decode, a fresh prefill, a decode, a chunk after c's prefix
-        pos = [9, *range(11), 14, *range(5, 11)]
-        seqs = ["a"] + ["d"] * 11 + ["b"] + ["c"] * 6
-        steps.append(np.asarray(b.forward_batch(flat, pos, seqs, logits_for=["c", "b", "d", "a"], all_logits_for=["c"])))
-    assert steps[0].shape == (4 + 6, 300)
-    np.testing.assert_allclose(steps[0], steps[1], atol=1e-4, rtol=0)
-    assert list(split._graphs._by_size) == [2]  # the two decodes went through the graph buckets
+        assert b.admit("d", fresh, reuse_prefix=False) is not None and b.reserve("d", len(fresh) + 2)
+        for flat, pos, seqs, logits_for, all_for in steps:
+            out.append(np.asarray(b.forward_batch(flat, pos, seqs, logits_for=logits_for, all_logits_for=all_for)))
+    assert [r.shape[0] for r in results[0]] == [4 + 6, 4 + 7, 2]
+    for got, want in zip(*results):
+        np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+    assert sorted(split._graphs._by_size) == [1, 4, 8]  # 8 rows, then 3 (e's tail eagerly), then 1
     for a, b in ((split.kv.k, eager.kv.k), (split.kv.v, eager.kv.v)):
         keep = torch.ones(a.shape[2], dtype=torch.bool)
         keep[split._scratch_block] = False

@@ -52,7 +52,7 @@ MATMUL_DECODE_MIN_KEYS = 512
 # prompts hit the prefix cache, most of a 64-stream server's step time. The gather of a short context
 # costs a few kernels; past this length its copy grows and FlexAttention's in-place read wins.
 FLEX_CHUNK_MIN_CONTEXT = 8192
-# A chunk after a cached prefix of at most this many tokens joins the decode group (see _is_tail): each of
+# A chunk after a cached prefix of at most this many tokens joins the decode group (see is_tail): each of
 # its tokens reads the whole context once, so long chunks keep their own (block-wise) call.
 MAX_TAIL_TOKENS = 32
 
@@ -163,10 +163,10 @@ def build_attention_batch(
         return AttentionBatch(rows, None, [], _flash_batch(chunks, block_size, device))
     single = [c for c in chunks if c.num_tokens == 1]
     whole = len(single) == len(chunks)
-    tails = [c for c in chunks if _is_tail(c)]
+    tails = [c for c in chunks if is_tail(c)]
     if tails:  # each tail token joins the decode group as a one-token query at its own position
         single += [SeqChunk(c.row_start + i, 1, c.start_pos + i, c.block_ids) for c in tails for i in range(c.num_tokens)]
-    multi = [c for c in chunks if c.num_tokens > 1 and not _is_tail(c)]
+    multi = [c for c in chunks if c.num_tokens > 1 and not is_tail(c)]
     if mode == "flex":
         decode = _flex_decode(single, cache, whole, q_per_kv) if single else None
         prefills = [_flex_or_gathered_chunk(c, cache, q_per_kv) for c in multi]
@@ -176,7 +176,7 @@ def build_attention_batch(
     return AttentionBatch(rows, decode, prefills, None)
 
 
-def _is_tail(c: SeqChunk) -> bool:
+def is_tail(c: SeqChunk) -> bool:
     """A short chunk after a cached prefix (a prompt whose start hit the prefix cache): attended as
     one-token queries in the step's decode group rather than by a call of its own per layer. Its K/V
     are written before attention runs, and each of its queries sees exactly the positions up to its

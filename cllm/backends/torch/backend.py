@@ -21,7 +21,7 @@ import torch
 from cllm.backends.base import Admission, Backend, BackendCapacity, BackendError, KVCacheFullError, Tokenizer
 from cllm.backends.packing import pack_inputs
 from cllm.backends.torch.attention import (
-    FLEX_CHUNK_MIN_CONTEXT, SeqChunk, attention_mode, build_attention_batch, slot_mapping,
+    FLEX_CHUNK_MIN_CONTEXT, SeqChunk, attention_mode, build_attention_batch, is_tail, slot_mapping,
 )
 from cllm.backends.torch.block_manager import BlockManager
 from cllm.backends.torch.compile_errors import is_compile_error
@@ -351,41 +351,49 @@ class TorchBackend(Backend):
 
     def _forward_split(self, ids: np.ndarray, pos: np.ndarray, seq_chunks: list[SeqChunk],
                        rows: list[int]) -> torch.Tensor | None:
-        """A step with decodes (one-token chunks) beside longer chunks: the decodes replay a graph, the
-        rest run eagerly after it; None if there is no decode or no bucket holds them all.
+        """A step with decodes or short tails (see attention.is_tail) beside other chunks: the decodes and
+        the tails' tokens, one row each, replay a graph; the rest (fresh or long chunks) run eagerly after
+        it. None if no row fits a graph.
 
         Under load nearly every step is such a step (each finished request's successor brings its
-        prompt), and one eager forward over all of it cost the CPU several milliseconds of kernel
-        launches per step (at 256 streams on an H100: ~40 % of the engine process, steps 2.6 x the raw
-        decode step). Split, the eager part's launches overlap the graph's run on the device, and its
-        kernels see only the prompt tokens. The two parts write disjoint K/V slots and attend to their
-        own sequences only, so the order between them does not matter; a decode row's logits are its
-        graph's (the same kernels as a pure decode step)."""
-        decodes = [c for c in seq_chunks if c.num_tokens == 1]
-        if not decodes:
+        prompt, whose start the prefix cache often holds), and one eager forward over all of it cost
+        the CPU several milliseconds of kernel launches per step (at 256 streams on an H100: ~40 % of
+        the engine process, steps 2.6 x the raw decode step). A tail's tokens are attended as decodes
+        are (each reads its sequence's K/V up to its own position, written before attention runs in
+        every layer), so the graph takes them as it takes several decodes of one sequence. The two
+        parts write disjoint K/V slots and attend to their own sequences only, so their order does not
+        matter; the eager part's launches overlap the graph's run on the device."""
+        room = self._graphs.buckets[-1]
+        graph_rows: list[SeqChunk] = []  # one-token rows: decodes and tails' tokens, in chunk order
+        rest: list[SeqChunk] = []
+        for c in seq_chunks:
+            if (c.num_tokens == 1 or is_tail(c)) and len(graph_rows) + c.num_tokens <= room:
+                graph_rows += [SeqChunk(c.row_start + i, 1, c.start_pos + i, c.block_ids) for i in range(c.num_tokens)]
+            else:
+                rest.append(c)
+        if not graph_rows:
             return None
-        starts = np.fromiter((c.row_start for c in decodes), dtype=np.int64, count=len(decodes))
-        decode_logits = self._graphs.run(ids[starts], [SeqChunk(i, 1, c.start_pos, c.block_ids) for i, c in enumerate(decodes)])
-        if decode_logits is None:
-            return None
-        rest = [c for c in seq_chunks if c.num_tokens > 1]
-        # each row's place in the combined [decode rows; rest rows] order
-        place = np.empty(len(ids), dtype=np.int64)
-        place[starts] = np.arange(len(decodes))
-        rest_rows = np.concatenate([np.arange(c.row_start, c.row_start + c.num_tokens) for c in rest])
-        place[rest_rows] = len(decodes) + np.arange(len(rest_rows))
-        rest_chunks, offset = [], 0
-        for c in rest:
-            rest_chunks.append(SeqChunk(offset, c.num_tokens, c.start_pos, c.block_ids))
-            offset += c.num_tokens
+        place = np.empty(len(ids), dtype=np.int64)  # each flat row's place in [graph rows; rest rows]
+        starts = np.fromiter((c.row_start for c in graph_rows), dtype=np.int64, count=len(graph_rows))
+        place[starts] = np.arange(len(graph_rows))
+        rest_rows = np.concatenate([np.arange(c.row_start, c.row_start + c.num_tokens) for c in rest]) if rest else starts[:0]
+        place[rest_rows] = len(graph_rows) + np.arange(len(rest_rows))
         wanted = place[np.asarray(rows, dtype=np.int64)]
-        from_rest = wanted[wanted >= len(decodes)] - len(decodes)
-        rest_logits = self._forward_eager(ids[rest_rows], pos[rest_rows], rest_chunks, from_rest.tolist())
-        # combined: every decode row, then the rest's wanted rows in request order
-        combined = torch.cat([decode_logits, rest_logits.to(decode_logits.dtype)])
-        order = np.where(wanted < len(decodes), wanted, 0)
-        order[wanted >= len(decodes)] = len(decodes) + np.arange(len(from_rest))
-        return combined.index_select(0, self._to_device(order))
+        logits = self._graphs.run(ids[starts], [SeqChunk(i, 1, c.start_pos, c.block_ids) for i, c in enumerate(graph_rows)])
+        if logits is None:
+            return None
+        if rest:
+            rest_chunks, offset = [], 0
+            for c in rest:
+                rest_chunks.append(SeqChunk(offset, c.num_tokens, c.start_pos, c.block_ids))
+                offset += c.num_tokens
+            from_rest = wanted >= len(graph_rows)
+            rest_logits = self._forward_eager(ids[rest_rows], pos[rest_rows], rest_chunks,
+                                              (wanted[from_rest] - len(graph_rows)).tolist())
+            # combined: every graph row, then the rest's wanted rows in request order
+            logits = torch.cat([logits, rest_logits.to(logits.dtype)])
+            wanted[from_rest] = len(graph_rows) + np.arange(int(from_rest.sum()))
+        return logits.index_select(0, self._to_device(wanted))
 
     def _forward_eager(self, ids: np.ndarray, pos: np.ndarray, seq_chunks: list[SeqChunk], rows: list[int]) -> torch.Tensor:
         """One step without a graph. If FlexAttention fails to compile for it, the step is run again with
