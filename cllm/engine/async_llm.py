@@ -752,16 +752,16 @@ def _put_all(items: list[tuple[asyncio.Queue, Any]], box: _Outbox | None) -> Non
             queue_.put_nowait(item)
     finally:
         if box is not None:
-            _after_iterations(asyncio.get_running_loop(), SETTLE_ITERATIONS, functools.partial(box.settled, started))
+            after_iterations(asyncio.get_running_loop(), SETTLE_ITERATIONS, functools.partial(box.settled, started))
 
 
-def _after_iterations(loop: asyncio.AbstractEventLoop, n: int, callback: Callable[[], None]) -> None:
+def after_iterations(loop: asyncio.AbstractEventLoop, n: int, callback: Callable[[], None]) -> None:
     """Run ``callback`` after ``n`` more iterations of ``loop`` (each call_soon runs in the next one, after
     the callbacks already scheduled, such as the task wake-ups the items above caused)."""
     if n <= 0:
         callback()
     else:
-        loop.call_soon(_after_iterations, loop, n - 1, callback)
+        loop.call_soon(after_iterations, loop, n - 1, callback)
 
 
 def _take_all(jobs: queue.SimpleQueue[_EmbedJob]) -> list[_EmbedJob]:

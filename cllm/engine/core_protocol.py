@@ -3,7 +3,8 @@
 Plain dataclasses, pickled (protocol 5) into one bytes message each over a pipe. The API side
 sends commands; the core answers every ``AddRequest`` with exactly one ``Admitted`` (so the API side
 can count requests not yet in the engine's waiting queue), streams each step's outputs as one
-``StepOutputs``, and says ``CoreStopped`` once as it ends.
+``StepOutputs`` (each answered by one ``Settled`` once the API side has run it through), and says
+``CoreStopped`` once as it ends.
 """
 from __future__ import annotations
 
@@ -46,6 +47,12 @@ class EmbedRequest:
 
     job_id: int  # the API side's handle of the waiting call
     inputs: list[Any]
+
+
+@dataclass(slots=True)
+class Settled:
+    """The API process has run a StepOutputs through (its outputs queued, then SETTLE_ITERATIONS loop
+    iterations: the streams' tasks wrote them); the core holds the next outputs until then."""
 
 
 @dataclass(slots=True)

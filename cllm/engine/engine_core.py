@@ -40,7 +40,7 @@ from cllm.config import CllmConfig
 from cllm.engine import async_llm
 from cllm.engine.core_protocol import (
     AbortRequest, AddRequest, Admitted, CoreFailed, CoreReady, CoreStopped, EmbedDone, EmbedRequest, Snapshot,
-    StepOutputs, StopCore, decode, encode, pack_output, portable_error,
+    Settled, StepOutputs, StopCore, decode, encode, pack_output, portable_error,
 )
 from cllm.engine.llm_engine import LLMEngine
 from cllm.errors import QueueFullError
@@ -49,6 +49,12 @@ from cllm.outputs import RequestOutput, merge_outputs
 
 log = logging.getLogger("cllm.engine")
 COMPILE_POLL_S = 0.005  # how often an idle core looks at grammar compiles in flight
+# StepOutputs the API process may have unsettled (see Settled) before the core holds the next outputs,
+# merging each request's: the process-mode form of AsyncLLM's one outstanding hand-over. Sending every
+# step whenever the pipe had room kept several steps in flight through the API process's loop (read,
+# then each stream's pump, then its writer, an iteration each), none merged: at 256 streams on an H100
+# the loop sent one SSE event per token, ~30 µs each, and was the bottleneck beside a faster engine.
+MAX_UNSETTLED = 1
 
 
 @dataclass(slots=True)
@@ -157,6 +163,7 @@ class EngineCore:
         self._changed = True  # commands ran or steps ran since the last stats sent
         self._steps_short = False  # the last step was short and nothing waits (see async_llm.HANDOVER_INTERVAL_S)
         self._sent_at = 0.0  # time.monotonic() of the last StepOutputs sent
+        self._unsettled = 0  # StepOutputs sent that the API process has not answered with Settled yet
 
     def run(self) -> None:
         error: str | None = None
@@ -175,15 +182,16 @@ class EngineCore:
             self._run_embeds()
             self._admit_compiled()
             if not self.engine.has_unfinished():
-                self._flush()
+                self._maybe_flush(now=True)  # gone idle: no later step will send what is held
                 if self._changed:  # gone idle: no step will carry the stats any more
                     self._send_snapshot()
                 self._idle()
                 continue
             if was_idle:
                 self._gather_burst(taken)
-            elif self._held and (taken or self.engine.scheduler.num_waiting):
-                self._flush()  # this step may admit a prefill: nothing held waits for it
+            # Before a step: what the API process settled meanwhile can go; and if this step may admit a
+            # prefill (it may be long), nothing held waits for it beyond the API process's settling.
+            self._maybe_flush(now=bool(taken or self.engine.scheduler.num_waiting))
             started = time.monotonic()
             outputs = self.engine.step()
             self._steps_short = async_llm.steps_are_short(time.monotonic() - started, self.engine)
@@ -212,6 +220,9 @@ class EngineCore:
         return adds
 
     def _run_command(self, command: object) -> int:
+        if isinstance(command, Settled):  # changes nothing the stats show
+            self._unsettled -= 1
+            return 0
         self._changed = True
         if isinstance(command, AddRequest):
             if self._owed:  # a client came back
@@ -260,22 +271,30 @@ class EngineCore:
             self._deliver([out])
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
-        """Merge outputs into those held, then send them all unless the API process is behind, or steps
-        are short and the last message went out less than async_llm.HANDOVER_INTERVAL_S ago (a message
-        costs both processes a wake-up and a system call whatever it carries)."""
+        """Merge outputs into those held, then send them all if the API process is ready for them."""
         for out in outputs:
             prev = self._held.get(out.request_id)
             self._held[out.request_id] = out if prev is None else merge_outputs(prev, out)
-        if self._steps_short and time.monotonic() - self._sent_at < async_llm.HANDOVER_INTERVAL_S:
+        self._maybe_flush()
+
+    def _maybe_flush(self, now: bool = False) -> None:
+        """Send what is held unless the API process has not settled the last StepOutputs yet (it is
+        behind: each request's outputs merge meanwhile, so a busy event loop gets several tokens per
+        SSE event instead of a backlog of one-token outputs; see MAX_UNSETTLED), or, unless ``now``,
+        steps are short and the last message went out less than async_llm.HANDOVER_INTERVAL_S ago (a
+        message costs both processes a wake-up and a system call whatever it carries)."""
+        if not self._held or self._unsettled >= MAX_UNSETTLED or self._sender.backlog():
             return
-        if self._sender.backlog() == 0:
-            self._flush()
+        if not now and self._steps_short and time.monotonic() - self._sent_at < async_llm.HANDOVER_INTERVAL_S:
+            return
+        self._flush()
 
     def _flush(self) -> None:
         if self._held:
             self._sender.send(StepOutputs([self._pack(out) for out in self._held.values()], self._snapshot_if_due()))
             self._held.clear()
             self._sent_at = time.monotonic()
+            self._unsettled += 1
 
     def _pack(self, out: RequestOutput) -> tuple:
         """pack_output, with a request's prompt logprobs sent once (the API side keeps them): the engine
@@ -348,6 +367,7 @@ class EngineCore:
         self._changed = False
         self._published_at = time.monotonic()
         self._sender.send(StepOutputs([], (self.engine.stats(), self.engine.running_requests())))
+        self._unsettled += 1  # the API process settles every StepOutputs
 
     def _finish(self, error: str | None) -> None:
         """Abort what is left (its final outputs go out), free the engine, say stopped, flush the pipe."""

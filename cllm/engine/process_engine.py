@@ -32,11 +32,11 @@ from typing import Any
 
 from cllm.backends.base import Backend, Tokenizer
 from cllm.config import CllmConfig
-from cllm.engine.async_llm import next_merged_output
+from cllm.engine.async_llm import SETTLE_ITERATIONS, after_iterations, next_merged_output
 from cllm.engine.prompt_ids import prompt_token_ids
 from cllm.engine.core_protocol import (
     AbortRequest, AddRequest, Admitted, CoreFailed, CoreReady, CoreStopped, EmbedDone, EmbedRequest, Snapshot,
-    FrameReader, StepOutputs, StopCore, decode, unpack_output,
+    FrameReader, Settled, StepOutputs, StopCore, decode, unpack_output,
 )
 from cllm.engine.engine_core import CoreSpec, Sender, run_engine_core
 from cllm.engine.llm_engine import LLMEngine, Prompt
@@ -261,12 +261,18 @@ class ProcessEngine:
                     stream.queue.put_nowait(self._unpack(packed, stream))
             if message.snapshot is not None:
                 self._snapshot = message.snapshot
+            # settled once the streams' tasks have run it through (see engine_core.MAX_UNSETTLED)
+            after_iterations(self._loop, SETTLE_ITERATIONS, self._settled)
         elif isinstance(message, Admitted):
             self._admitted(message)
         elif isinstance(message, EmbedDone):
             self._embedded(message)
         elif isinstance(message, CoreStopped):
             self._core_gone(message.error)
+
+    def _settled(self) -> None:
+        if not self._stopped:
+            self._commands.send(Settled())
 
     @staticmethod
     def _unpack(packed: tuple, stream: _Stream) -> RequestOutput:

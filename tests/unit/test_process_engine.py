@@ -271,3 +271,60 @@ def test_the_core_loop_ends_when_the_api_process_is_gone(running: bool) -> None:
     core.join(10)
     assert not core.is_alive()
     api_outputs.close()
+
+
+def test_the_core_holds_outputs_until_the_api_process_settled_the_last_and_merges_them() -> None:
+    """One StepOutputs in flight (engine_core.MAX_UNSETTLED): until the API process answers Settled the
+    core sends no more outputs, while it keeps stepping and merges each request's; the next message
+    then carries every token made meanwhile, in order, and nothing is lost."""
+    import multiprocessing
+
+    from cllm.engine.core_protocol import AddRequest, Admitted, Settled, StepOutputs, StopCore, decode, encode
+    from cllm.engine.engine_core import EngineCore, Sender
+    from cllm.engine.llm_engine import LLMEngine
+
+    config = load_config(None, environ={}, n_seq_max=2, max_waiting=8, log_level="warning")
+    backend = NullBackend(slots=2, step_ms=1.0)
+    engine = LLMEngine(config, backend=backend)
+    api_commands, core_commands = multiprocessing.Pipe()
+    core_outputs, api_outputs = multiprocessing.Pipe()
+    core = threading.Thread(target=EngineCore(engine, core_commands, Sender(core_outputs)).run, daemon=True)
+    core.start()
+
+    def next_step_outputs(timeout: float) -> StepOutputs | None:
+        """The next StepOutputs with outputs; a stats-only one is settled at once, as the API process does."""
+        while api_outputs.poll(timeout):
+            message = decode(api_outputs.recv_bytes())
+            if isinstance(message, StepOutputs) and message.outputs:
+                return message
+            if isinstance(message, StepOutputs):
+                api_commands.send_bytes(encode(Settled()))
+            else:
+                assert isinstance(message, Admitted) and message.error is None
+        return None
+
+    try:
+        params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+        api_commands.send_bytes(encode(AddRequest("r", [300, 301], params, 0, None, [300, 301])))
+        first = next_step_outputs(5.0)
+        assert first is not None
+        steps_then = backend.num_forwards
+        assert next_step_outputs(0.2) is None  # unsettled: nothing more is sent ...
+        assert backend.num_forwards > steps_then + 5  # ... while the engine steps on
+        tokens = [t for packed in first.outputs for choice in packed[1] for t in choice[7]]
+        finished = False
+        messages = 1
+        while not finished:
+            api_commands.send_bytes(encode(Settled()))
+            message = next_step_outputs(5.0)
+            assert message is not None
+            messages += 1
+            (packed,) = message.outputs
+            tokens += packed[1][0][7]  # the choice's token_ids_delta: merged over the steps it was held
+            finished = packed[2]
+        assert len(tokens) == 40 and messages < 40  # every token once, in fewer messages than steps
+        assert packed[1][0][2] == tokens  # the final output's whole token_ids: the deltas, in order
+    finally:
+        api_commands.send_bytes(encode(StopCore()))
+        core.join(10)
+        engine.close()
