@@ -34,6 +34,7 @@ from cllm.backends.torch.flex import (
     FlexChunk, FlexDecode, build_flex_chunk, build_flex_decode, flex_chunk_attention, flex_decode_attention,
 )
 from cllm.backends.torch.kv_cache import PagedKVCache
+from cllm.backends.torch.transfer import to_device
 
 try:  # optional CUDA kernels
     from flash_attn import flash_attn_varlen_func
@@ -158,7 +159,7 @@ def build_attention_batch(
     """
     device = cache.k.device
     block_size = cache.shape.block_size
-    rows = torch.from_numpy(cache.write_rows(slot_mapping(chunks, block_size))).to(device)
+    rows = to_device(cache.write_rows(slot_mapping(chunks, block_size)), device)
     if mode == "flash":
         return AttentionBatch(rows, None, [], _flash_batch(chunks, block_size, device))
     single = [c for c in chunks if c.num_tokens == 1]
@@ -186,7 +187,7 @@ def is_tail(c: SeqChunk) -> bool:
 
 
 def _flex_decode(single: Sequence[SeqChunk], cache: PagedKVCache, whole_batch: bool, q_per_kv: int) -> FlexDecode:
-    rows = None if whole_batch else torch.tensor([c.row_start for c in single], device=cache.k.device)
+    rows = None if whole_batch else to_device(np.array([c.row_start for c in single]), cache.k.device)
     return build_flex_decode([c.start_pos + 1 for c in single], [c.block_ids for c in single], rows, cache, q_per_kv)
 
 
@@ -217,9 +218,9 @@ def _decode_group(single: Sequence[SeqChunk], cache: PagedKVCache, *, whole_batc
     keys = np.arange(tables.shape[1] * block_size)
     mask = (keys[None, :] < context[:, None]).reshape(len(single), 1, 1, -1)
     # A pure decode step has one row per sequence, in order: no gather/scatter of rows needed.
-    rows = None if whole_batch else torch.tensor([c.row_start for c in single], device=device)
-    index = torch.from_numpy(cache.gather_index(tables)).to(device)
-    return DecodeGroup(rows, len(single), index, torch.from_numpy(mask).to(device))
+    rows = None if whole_batch else to_device(np.array([c.row_start for c in single]), device)
+    index = to_device(cache.gather_index(tables), device)
+    return DecodeGroup(rows, len(single), index, to_device(mask, device))
 
 
 def _prefill_chunk(c: SeqChunk, cache: PagedKVCache, q_per_kv: int) -> PrefillChunk:
@@ -230,10 +231,10 @@ def _prefill_chunk(c: SeqChunk, cache: PagedKVCache, q_per_kv: int) -> PrefillCh
     q_pos = np.arange(c.start_pos, context)
     nb = -(-context // block_size)
     table = np.asarray(c.block_ids[:nb], dtype=np.int64)[None, :]
-    index, keys = torch.from_numpy(cache.gather_index(table)).to(device), np.arange(nb * block_size)
+    index, keys = to_device(cache.gather_index(table), device), np.arange(nb * block_size)
     # Folded GQA: query rows are (head-in-group, token), so the token mask repeats per head.
     mask = np.tile(keys[None, :] <= q_pos[:, None], (q_per_kv, 1))[None, None]
-    return PrefillChunk(c.row_start, c.row_start + c.num_tokens, index, torch.from_numpy(mask).to(device))
+    return PrefillChunk(c.row_start, c.row_start + c.num_tokens, index, to_device(mask, device))
 
 
 def _flash_batch(chunks: Sequence[SeqChunk], block_size: int, device: torch.device) -> FlashBatch:
@@ -242,11 +243,11 @@ def _flash_batch(chunks: Sequence[SeqChunk], block_size: int, device: torch.devi
     tables = _padded_tables(chunks, [-(-n // block_size) for n in k_lens])
 
     def cumulative(lens: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)).to(device)
+        return to_device(np.concatenate([[0], np.cumsum(lens)]).astype(np.int32), device)
 
     return FlashBatch(
         cumulative(q_lens), cumulative(k_lens), int(q_lens.max()), int(k_lens.max()),
-        torch.from_numpy(tables.astype(np.int32)).to(device),
+        to_device(tables.astype(np.int32), device),
     )
 
 

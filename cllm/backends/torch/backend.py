@@ -21,7 +21,7 @@ import torch
 from cllm.backends.base import Admission, Backend, BackendCapacity, BackendError, KVCacheFullError, Tokenizer
 from cllm.backends.packing import pack_inputs
 from cllm.backends.torch.attention import (
-    FLEX_CHUNK_MIN_CONTEXT, SeqChunk, attention_mode, build_attention_batch, is_tail, slot_mapping,
+    FLEX_CHUNK_MIN_CONTEXT, MAX_TAIL_TOKENS, SeqChunk, attention_mode, build_attention_batch, is_tail, slot_mapping,
 )
 from cllm.backends.torch.block_manager import BlockManager
 from cllm.backends.torch.compile_errors import is_compile_error
@@ -34,6 +34,7 @@ from cllm.backends.torch.loader import LoadedModel, ModelSpec, load_model
 from cllm.backends.torch.memory import activation_bytes, check_startup_free, cuda_memory, kv_bytes_per_token, size_kv_pool
 from cllm.backends.torch.model import CausalLM
 from cllm.backends.torch.tokenizer import HFTokenizer
+from cllm.backends.torch.transfer import to_device
 from cllm.config import CllmConfig
 from cllm.model_path import resolve_model_path
 from cllm.progress import phase
@@ -49,6 +50,13 @@ class StepChunk:
     row_start: int  # first flat row
     row_end: int  # one past the last flat row
     start_pos: int  # position of its first token
+
+
+def _graph_rows(config: CllmConfig, max_seqs: int) -> int:
+    """The largest captured decode graph's rows: a full batch of decodes (cuda_graph_max_batch, at most
+    the sequence cap) and MAX_TAIL_TOKENS more, for short tails beside it (see _forward_split): under
+    load a batch is full and new requests' tails arrive beside it at every step."""
+    return min(config.torch.cuda_graph_max_batch, max_seqs) + MAX_TAIL_TOKENS
 
 
 class TorchBackend(Backend):
@@ -122,7 +130,7 @@ class TorchBackend(Backend):
         if not (config.torch.cuda_graphs and self.device.type == "cuda" and self._attention == "flex"):
             return None
         graphs = DecodeGraphs(
-            self.model, self.kv, buckets=graph_buckets(min(config.torch.cuda_graph_max_batch, max_seqs)),
+            self.model, self.kv, buckets=graph_buckets(_graph_rows(config, max_seqs)),
             scratch_block=self._scratch_block, flex_fn=self._flex_fn, capture=True,
             q_per_kv=self.spec.num_heads // self.spec.num_kv_heads,
         )
@@ -199,7 +207,7 @@ class TorchBackend(Backend):
         reserve = activation_bytes(
             max_batch_tokens=max_tokens, max_num_seqs=max_seqs, hidden=s.hidden_size, intermediate=s.intermediate_size,
             heads=s.num_heads, head_dim=s.head_dim, vocab=s.vocab_size, itemsize=itemsize,
-            graph_rows=min(config.torch.cuda_graph_max_batch, max_seqs) if graphs else 0,
+            graph_rows=_graph_rows(config, max_seqs) if graphs else 0,
         )
         per_block = block_size * kv_bytes_per_token(s.num_layers, s.num_kv_heads, s.head_dim, self.dtype)
         torch.cuda.empty_cache()  # blocks the allocator cached while converting weights are free, not "in use"
@@ -423,7 +431,7 @@ class TorchBackend(Backend):
             return logits.clone()
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(array).to(self.device)
+        return to_device(array, self.device)
 
     # ----- optional: embeddings -----------------------------------------------------------
 

@@ -34,6 +34,7 @@ import torch
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from cllm.backends.torch.kv_cache import PagedKVCache
+from cllm.backends.torch.transfer import to_device
 
 Q_BLOCK = 128  # query block of a chunk's mask (FlexAttention's default tile)
 MAX_KV_TILE = 128  # largest KV tile of FlexAttention's CUDA kernels (pages at least this large keep the default)
@@ -79,16 +80,12 @@ def flex_function(compiled: bool) -> Callable[..., torch.Tensor]:
     return _compiled[0]
 
 
-def _tensor(array: np.ndarray, device: torch.device) -> torch.Tensor:
-    return torch.from_numpy(np.ascontiguousarray(array)).to(device)
-
-
 def _kv_index(compact: np.ndarray, cache: PagedKVCache) -> torch.Tensor:
     """Block-index table ``[B, 1, q_blocks, width]`` padded on the device to a fixed width (only the
     listed count is read): the pool's block count on CPU, where FlexAttention's eager path wants the
     tables to span the KV length, and one sequence's most blocks on CUDA (a [B, pool] table per step
     would take gigabytes at large batches)."""
-    t = _tensor(compact.astype(np.int32), cache.k.device)
+    t = to_device(compact.astype(np.int32), cache.k.device)
     width = cache.shape.num_blocks if cache.k.device.type == "cpu" else cache.shape.seq_blocks
     return torch.nn.functional.pad(t, (0, width - compact.shape[-1]))
 
@@ -116,12 +113,12 @@ def paged_mask_tensors(tables: np.ndarray, counts: np.ndarray, first_pos: np.nda
     # padding columns of the tables scatter into a spare column past the pool, dropped after
     padded = np.where(np.arange(width)[None, :] < counts[:, None], tables, num_blocks)
     logical = torch.full((len(tables), num_blocks + 1), -1, dtype=torch.int32, device=device)
-    logical.scatter_(1, _tensor(padded.astype(np.int64), device),
+    logical.scatter_(1, to_device(padded.astype(np.int64), device),
                      torch.arange(width, dtype=torch.int32, device=device).expand(len(tables), -1).contiguous())
     block_of = logical[:, :num_blocks].contiguous()
     return PagedMaskTensors(
-        _tensor(part_num.astype(np.int32), device), _kv_index(part_idx, cache), _tensor(first_pos.astype(np.int64), device),
-        _tensor(full_num.astype(np.int32), device), _kv_index(full_idx, cache), block_of,
+        to_device(part_num.astype(np.int32), device), _kv_index(part_idx, cache), to_device(first_pos.astype(np.int64), device),
+        to_device(full_num.astype(np.int32), device), _kv_index(full_idx, cache), block_of,
     )
 
 
@@ -203,7 +200,7 @@ def flex_decode_tensors(context_lens: Sequence[int], block_tables: Sequence[Sequ
                         cache: PagedKVCache) -> PagedMaskTensors:
     """A decode group's mask tensors, uploaded (one copy per field)."""
     arrays = decode_mask_arrays(context_lens, block_tables, cache)
-    return PagedMaskTensors(**{name: _tensor(a, cache.k.device) for name, a in arrays.items()})
+    return PagedMaskTensors(**{name: to_device(a, cache.k.device) for name, a in arrays.items()})
 
 
 def build_flex_decode(
