@@ -58,7 +58,7 @@ FLEX_CHUNK_MIN_CONTEXT = 8192
 MAX_TAIL_TOKENS = 32
 
 
-@dataclass(slots=True, frozen=True)
+@dataclass(slots=True)
 class SeqChunk:
     """One sequence's share of a step, as the backend hands it over."""
 

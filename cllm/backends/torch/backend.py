@@ -23,7 +23,7 @@ from cllm.backends.packing import pack_inputs
 from cllm.backends.torch.attention import (
     FLEX_CHUNK_MIN_CONTEXT, MAX_TAIL_TOKENS, SeqChunk, attention_mode, build_attention_batch, is_tail, slot_mapping,
 )
-from cllm.backends.torch.block_manager import BlockManager
+from cllm.backends.torch.block_manager import BlockManager, SequenceBlocks
 from cllm.backends.torch.compile_errors import is_compile_error
 from cllm.backends.torch.cuda_graphs import DecodeGraphs, graph_buckets
 from cllm.backends.torch.device import resolve_device, resolve_dtype, resolve_fp16_weights
@@ -42,14 +42,16 @@ from cllm.progress import phase
 log = logging.getLogger("cllm.torch")
 
 
-@dataclass(slots=True, frozen=True)
+@dataclass(slots=True)
 class StepChunk:
-    """One sequence's contiguous run of tokens in a forward_batch call."""
+    """One sequence's contiguous run of tokens in a forward_batch call (not frozen: a frozen dataclass's
+    __init__ costs several times more, and a step builds one per sequence)."""
 
     seq_id: str  # the sequence
     row_start: int  # first flat row
     row_end: int  # one past the last flat row
     start_pos: int  # position of its first token
+    blocks: SequenceBlocks  # its block-manager entry (looked up once per step)
 
 
 def _graph_rows(config: CllmConfig, max_seqs: int) -> int:
@@ -280,7 +282,7 @@ class TorchBackend(Backend):
             raise BackendError(f"torch forward failed: {type(err).__name__}: {err}", [c.seq_id for c in chunks]) from err
         flat = ids.tolist()  # one conversion, sliced per sequence (not one small array's tolist each)
         for c in chunks:
-            self.blocks.record_computed(c.seq_id, c.start_pos, flat[c.row_start : c.row_end])
+            self.blocks.record_computed_of(c.blocks, c.start_pos, flat[c.row_start : c.row_end])
         return logits
 
     def _split(self, ids: np.ndarray, pos: np.ndarray, sequence_ids: Sequence[str]) -> list[StepChunk]:
@@ -314,11 +316,14 @@ class TorchBackend(Backend):
         return chunks
 
     def _chunk(self, seq_id: str, row_start: int, row_end: int) -> StepChunk:
-        if seq_id not in self.blocks:
+        seq = self.blocks.get(seq_id)
+        if seq is None:
             raise BackendError(f"sequence {seq_id!r} was not admitted", [seq_id])
-        return StepChunk(seq_id, row_start, row_end, self.blocks.sequence(seq_id).num_computed)
+        return StepChunk(seq_id, row_start, row_end, seq.num_computed, seq)
 
     def _logit_rows(self, chunks: list[StepChunk], wanted: list[str]) -> list[int]:
+        if len(wanted) == len(chunks) and all(w == c.seq_id for w, c in zip(wanted, chunks)):
+            return [c.row_end - 1 for c in chunks]  # every sequence, in batch order (a decode step, typically)
         last_row = {c.seq_id: c.row_end - 1 for c in chunks}
         missing = [s for s in wanted if s not in last_row]
         if missing:
@@ -335,16 +340,17 @@ class TorchBackend(Backend):
 
     def _ensure_room(self, chunks: list[StepChunk]) -> None:
         """Grow block tables the scheduler did not reserve; KVCacheFullError if the pool is out."""
+        block_size = self.blocks.block_size
         for c in chunks:
-            if not self.blocks.reserve(c.seq_id, c.start_pos + c.row_end - c.row_start):
+            end = c.start_pos + c.row_end - c.row_start
+            if len(c.blocks.block_ids) * block_size >= end:
+                continue  # reserved already (the scheduler does, before each step)
+            if not self.blocks.reserve(c.seq_id, end):
                 raise KVCacheFullError(f"KV cache full: no block free for sequence {c.seq_id!r}", [c.seq_id])
 
     @torch.inference_mode()
     def _run(self, ids: np.ndarray, pos: np.ndarray, chunks: list[StepChunk], rows: list[int]) -> np.ndarray | torch.Tensor:
-        seq_chunks = [
-            SeqChunk(c.row_start, c.row_end - c.row_start, c.start_pos, self.blocks.sequence(c.seq_id).block_ids)
-            for c in chunks
-        ]
+        seq_chunks = [SeqChunk(c.row_start, c.row_end - c.row_start, c.start_pos, c.blocks.block_ids) for c in chunks]
         if self._graphs is not None and len(chunks) == len(ids):  # a pure decode step: replay a graph
             logits = self._graphs.run(ids, seq_chunks)
             if logits is not None:  # rows in chunk order; row_start == chunk index here

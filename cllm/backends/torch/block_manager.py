@@ -95,6 +95,10 @@ class BlockManager:
     def __len__(self) -> int:
         return len(self._seqs)
 
+    def get(self, seq_id: str) -> SequenceBlocks | None:
+        """The admitted sequence's blocks, or None."""
+        return self._seqs.get(seq_id)
+
     def sequence(self, seq_id: str) -> SequenceBlocks:
         """The admitted sequence's blocks; KeyError naming it if it was never admitted."""
         try:
@@ -183,7 +187,10 @@ class BlockManager:
 
     def record_computed(self, seq_id: str, start: int, token_ids: Sequence[int]) -> None:
         """Note that ``token_ids`` at positions ``start..`` now have K/V; hash blocks that became full."""
-        seq = self.sequence(seq_id)
+        self.record_computed_of(self.sequence(seq_id), start, token_ids)
+
+    def record_computed_of(self, seq: SequenceBlocks, start: int, token_ids: Sequence[int]) -> None:
+        """record_computed for a sequence's entry already in hand (a step has every one: no lookups)."""
         if seq.cached_at_admission is not None:
             # Stats count admissions that ran, not ones the scheduler rolled back (no room to reserve).
             self.queried_tokens += len(seq.token_ids)
@@ -192,7 +199,8 @@ class BlockManager:
         end = start + len(token_ids)
         seq.token_ids[start:end] = token_ids
         seq.num_computed = max(seq.num_computed, end)
-        self._register_full_blocks(seq)
+        if (len(seq.chain) + 1) * self.block_size <= seq.num_computed:  # a block became full
+            self._register_full_blocks(seq)
 
     def _register_full_blocks(self, seq: SequenceBlocks) -> None:
         bs = self.block_size
