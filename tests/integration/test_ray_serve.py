@@ -263,6 +263,10 @@ def stream_completion(cluster: Cluster, prompt: str, max_tokens: int, sink: dict
                 sink.setdefault("id", sink["events"][0].get("id"))  # Serve's proxy sets its own X-Request-Id
 
 
+def _streamed_text(events: list[dict]) -> str:
+    return "".join(e["choices"][0]["text"] for e in events if e.get("choices"))
+
+
 def replica_running(request_id: str) -> ReplicaReport | None:
     for report in board_reports():
         if any(info.request_id == request_id for info in report.running):
@@ -306,10 +310,12 @@ def test_sigterm_drains_running_requests_to_the_other_replica(cluster, reference
              "the stream to start", 60)
     draining = replica_running(sink["id"])
     os.kill(draining.pid, signal.SIGTERM)
-    at_signal = len(sink["events"])
+    at_signal = _streamed_text(sink["events"][:])
     thread.join(120)
-    assert at_signal < 350 < len(sink["events"])  # most of it was still to come when the replica left
-    text = "".join(e["choices"][0]["text"] for e in sink["events"] if e.get("choices"))
+    # Most of it was still to come when the replica left (counted in text: a busy event loop may carry
+    # several tokens in one event, so the events need not be one per token).
+    assert len(at_signal) < len(expected) // 2
+    text = _streamed_text(sink["events"])
     assert sink["events"][-1]["choices"][0]["finish_reason"] == "length"
     assert text == expected  # every token once, the rest decoded on the other replica from the moved KV
     wait_for(lambda: draining.pid not in {r.pid for r in board_reports()}, "the drained replica to leave", 60)
