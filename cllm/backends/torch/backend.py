@@ -378,22 +378,24 @@ class TorchBackend(Backend):
         parts write disjoint K/V slots and attend to their own sequences only, so their order does not
         matter; the eager part's launches overlap the graph's run on the device."""
         room = self._graphs.buckets[-1]
-        graph_rows: list[SeqChunk] = []  # one-token rows: decodes and tails' tokens, in chunk order
+        graph_rows: list[SeqChunk] = []  # one-token rows (graph row numbers): decodes and tails' tokens
+        flat_rows: list[int] = []  # each graph row's flat row in the step
         rest: list[SeqChunk] = []
         for c in seq_chunks:
             if (c.num_tokens == 1 or is_tail(c)) and len(graph_rows) + c.num_tokens <= room:
-                graph_rows += [SeqChunk(c.row_start + i, 1, c.start_pos + i, c.block_ids) for i in range(c.num_tokens)]
+                graph_rows += [SeqChunk(len(graph_rows) + i, 1, c.start_pos + i, c.block_ids) for i in range(c.num_tokens)]
+                flat_rows += range(c.row_start, c.row_start + c.num_tokens)
             else:
                 rest.append(c)
         if not graph_rows:
             return None
         place = np.empty(len(ids), dtype=np.int64)  # each flat row's place in [graph rows; rest rows]
-        starts = np.fromiter((c.row_start for c in graph_rows), dtype=np.int64, count=len(graph_rows))
+        starts = np.asarray(flat_rows, dtype=np.int64)
         place[starts] = np.arange(len(graph_rows))
         rest_rows = np.concatenate([np.arange(c.row_start, c.row_start + c.num_tokens) for c in rest]) if rest else starts[:0]
         place[rest_rows] = len(graph_rows) + np.arange(len(rest_rows))
         wanted = place[np.asarray(rows, dtype=np.int64)]
-        logits = self._graphs.run(ids[starts], [SeqChunk(i, 1, c.start_pos, c.block_ids) for i, c in enumerate(graph_rows)])
+        logits = self._graphs.run(ids[starts], graph_rows)
         if logits is None:
             return None
         if rest:
