@@ -63,8 +63,8 @@ async def engine_state(request: Request) -> dict[str, Any]:
     # the file llama.cpp runs (a converted copy under llama_cpp.weights: auto / q8_0 / f16), where known
     backend = getattr(getattr(model.engine, "engine", None), "backend", None)
     weights = getattr(backend, "weights_path", None)
-    return {"model": model.name, "weights": weights and str(weights), "phase": state.phase.value, "stats": stats_dict,
-            "running": running}
+    return {"model": model.name, "weights": weights and str(weights), "flash_attn": getattr(backend, "flash_attn", None),
+            "phase": state.phase.value, "stats": stats_dict, "running": running}
 
 
 async def health(request: Request) -> JSONResponse:

@@ -35,5 +35,18 @@ class NgramIndex:
             if length >= n:
                 end = table.get(tuple(tokens[length - n:]))
                 if end is not None:
-                    return tokens[end:end + k]
+                    return _continuation(tokens, end, k)
         return []
+
+
+def _continuation(tokens: list[int], end: int, k: int) -> list[int]:
+    """The ``k`` tokens after position ``end``, where the sequence's tail matched. A match less than
+    ``k`` tokens back (a list or a pattern that repeats) runs out at the sequence's end: the draft
+    then goes on repeating what followed the match, period ``len(tokens) - end``, as the sequence
+    itself would if the pattern holds (a repeating list drafted only one period, 6 tokens a step,
+    where 24 were accepted once it repeats)."""
+    draft = tokens[end:end + k]
+    period = len(draft)
+    while len(draft) < k:
+        draft.append(draft[len(draft) - period])
+    return draft

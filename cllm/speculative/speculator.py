@@ -22,7 +22,7 @@ FIRST_PRIOR = 0.5
 PRIOR_TRIALS = 1.0
 DECAY = 0.7
 ENGINE_DECAY = 0.95
-MAX_ACCEPTANCE = 0.98  # never certain: keeps the expected gain of a deep draft token below 1
+MAX_ACCEPTANCE = 0.995  # never certain: keeps the expected gain of a deep draft token below 1
 REST_STEPS = 16  # steps a batch size whose plan found nothing worth drafting is not planned again
 # A sequence's drafts are at most ``depth`` tokens deep: FIRST_DEPTH at first, doubled each time a whole
 # draft is accepted, cut to twice the accepted tokens (at least 1) when one is rejected. Acceptance on

@@ -61,12 +61,12 @@ def log_softmax(x: np.ndarray) -> np.ndarray:
     return z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
 
 
-def teacher_forced_llama(ids: list[int], weights: Path) -> np.ndarray:
+def teacher_forced_llama(ids: list[int], weights: Path, flash_attn: bool) -> np.ndarray:
     """logprob of ids[i] given ids[:i], i >= 1, from llama-cpp-python's own Llama (one batch, float64 softmax),
-    with the attention kernels cllm's default (flash_attn: auto) picks on a CPU: flash attention, on the
+    with the attention kernels cllm runs (``flash_attn``: what its auto measured on this CPU), on the
     weights file cllm runs (``weights``: the model file, or its converted copy under llama_cpp.weights)."""
     ref = llama_cpp.Llama(model_path=str(weights), n_ctx=1024, n_batch=512, logits_all=True,
-                          n_threads=1, flash_attn=True, verbose=False)
+                          n_threads=1, flash_attn=flash_attn, verbose=False)
     try:
         ref.eval(ids)
         lp = log_softmax(np.array(ref.scores[: len(ids)], dtype=np.float64))
@@ -90,7 +90,8 @@ def llm() -> Iterator[cllm.LLM]:
 
 @pytest.fixture(scope="module")
 def references(llm: cllm.LLM) -> list[np.ndarray]:
-    return [teacher_forced_llama(llm.engine.tokenize_prompt(p), llm.engine.backend.weights_path) for p in PROMPTS]
+    backend = llm.engine.backend
+    return [teacher_forced_llama(llm.engine.tokenize_prompt(p), backend.weights_path, backend.flash_attn) for p in PROMPTS]
 
 
 def test_prompt_logprobs_equal_teacher_forced_llama_cpp(llm: cllm.LLM, references: list[np.ndarray]) -> None:

@@ -39,8 +39,8 @@ def test_echo_logprobs_equal_teacher_forced(srv: ServerProcess) -> None:
     client = srv.openai()
     ids = tokenize(srv, PROMPT)
     with srv.http() as http:
-        weights = http.get("/v1/engine").json()["weights"]  # the file the server's llama.cpp runs
-    ref = teacher_forced_llama(ids, Path(weights))
+        engine = http.get("/v1/engine").json()
+    ref = teacher_forced_llama(ids, Path(engine["weights"]), engine["flash_attn"])  # what the server's llama.cpp runs
     resp = client.completions.create(model="smol", prompt=PROMPT, echo=True, logprobs=2, max_tokens=0)
     choice = resp.choices[0]
     assert choice.text == PROMPT and choice.finish_reason == "length"

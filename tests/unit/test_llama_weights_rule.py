@@ -32,14 +32,25 @@ def test_the_estimate_bounds_a_q4_1_files_copy(tmp_path: Path) -> None:
     assert converted_bytes(f, FTYPE_Q4_1, TARGETS["f16"]) == 64_000
 
 
-def test_the_copy_is_keyed_by_the_files_content_stamp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_copy_is_keyed_by_the_files_content_not_its_place(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CLLM_CACHE_DIR", str(tmp_path / "cache"))
+    data = bytes(range(256)) * 2000  # 512,000 bytes: more than the fingerprint's samples
     f = tmp_path / "m.gguf"
-    f.write_bytes(b"x")
+    f.write_bytes(data)
     first = converted_path(f, "q8_0")
     assert first.parent == tmp_path / "cache" / "weights" and first.name.startswith("m.q8_0.")
     assert converted_path(f, "f16") != first
-    os.utime(f, ns=(1, 1))  # the file changed (mtime): a new copy
+    (tmp_path / "venv2").mkdir()
+    other = tmp_path / "venv2" / "m.gguf"  # the same model installed elsewhere (another checkout's venv)
+    other.write_bytes(data)
+    os.utime(other, ns=(1, 1))
+    assert converted_path(other, "q8_0") == first  # one copy for both
+    for at in (0, 300_000, len(data) - 1):  # a byte changed at the start, the middle, the end: a new copy
+        changed = bytearray(data)
+        changed[at] ^= 1
+        f.write_bytes(bytes(changed))
+        assert converted_path(f, "q8_0") != first, at
+    f.write_bytes(data + b"x")  # grown by one byte
     assert converted_path(f, "q8_0") != first
 
 

@@ -25,7 +25,9 @@ from tests.unit.fakes import FakeBackend, fake_config, run_all
 
 def reference_propose(tokens: Sequence[int], k: int, n_min: int, n_max: int) -> list[int]:
     """From scratch: the longest n (n_max down to n_min) whose last-n tokens occur ending before the
-    end of the sequence; the tokens after its most recent such occurrence."""
+    end of the sequence; the k tokens the sequence would go on with if it repeated itself from its
+    most recent such occurrence (token by token: each next token is the one that followed the
+    position the draft has reached, the draft's own tokens included)."""
     length = len(tokens)
     for n in range(n_max, n_min - 1, -1):
         if length < n:
@@ -33,7 +35,10 @@ def reference_propose(tokens: Sequence[int], k: int, n_min: int, n_max: int) -> 
         tail = list(tokens[length - n:])
         for end in range(length - 1, n - 1, -1):  # most recent first; end == length is the tail itself
             if list(tokens[end - n:end]) == tail:
-                return list(tokens[end:end + k])
+                seq = list(tokens)
+                for i in range(k):
+                    seq.append(seq[end + i])
+                return seq[length:]
     return []
 
 
@@ -54,10 +59,18 @@ def test_ngram_takes_the_most_recent_occurrence():
 def test_ngram_never_matches_the_tail_itself_and_respects_k():
     assert NgramIndex(2, 4).propose([1, 2, 3, 4, 5], 8) == []  # no n-gram occurs twice
     assert NgramIndex(1, 1).propose([9], 4) == []  # a single token cannot match anything before it
-    assert NgramIndex(2, 2).propose([5, 5, 5], 8) == [5]  # overlapping earlier occurrence: what followed it
     tokens = list(range(10)) + list(range(3))  # 0..9 then 0 1 2: proposes 3 4 5 ...
     assert NgramIndex(2, 3).propose(tokens, 4) == [3, 4, 5, 6]
-    assert NgramIndex(2, 3).propose(tokens, 100) == list(range(3, 10)) + [0, 1, 2]
+
+
+def test_ngram_draft_goes_on_repeating_a_pattern_past_the_sequence_end():
+    """A match less than k tokens back runs out at the end of the sequence; the draft repeats what
+    followed it (period: the distance to the match), as the sequence would if the pattern holds."""
+    assert NgramIndex(2, 2).propose([5, 5, 5], 8) == [5] * 8  # period 1
+    tokens = list(range(10)) + list(range(3))  # 0..9 0 1 2: the match ended at 3, period 10
+    assert NgramIndex(2, 3).propose(tokens, 12) == list(range(3, 10)) + [0, 1, 2, 3, 4]
+    #                    a  b  c  a  b  c  a  b: "a b" last ended at 5, period 3
+    assert NgramIndex(2, 2).propose([1, 2, 3, 1, 2, 3, 1, 2], 7) == [3, 1, 2, 3, 1, 2, 3]
 
 
 @settings(max_examples=300, deadline=None)

@@ -39,7 +39,7 @@ import llama_cpp as C
 
 from cllm.backends.llama_cpp.native import LlamaModelHandle, _init_llama_backend
 from cllm.backends.llama_cpp.sizing import available_memory
-from cllm.model_path import cache_root
+from cllm.model_path import cache_root, file_fingerprint
 from cllm.progress import phase
 
 log = logging.getLogger("cllm.llama_cpp")
@@ -109,8 +109,8 @@ def auto_choice(*, ftype: int | None, estimate: int, gpu_layers: int, avx2: bool
 
 
 def converted_path(path: Path, choice: str) -> Path:
-    st = path.stat()
-    key = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{choice}|{C.__version__}"
+    """The copy's place in the cache: by what the file holds (``file_fingerprint``), not where it is."""
+    key = f"{file_fingerprint(path)}|{choice}|{C.__version__}"
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     return cache_root() / "weights" / f"{path.stem}.{choice}.{digest}.gguf"
 
