@@ -18,10 +18,15 @@ from cllm.speculative.step_cost import StepCost
 # The engine's rate (all sequences' verifications, older ones weighing ENGINE_DECAY less each) starts
 # at FIRST_PRIOR: on a server copying documents a new request drafts deep from its first match, where a
 # fixed prior of one half ramped it up over several steps (most of a 50-token copy).
+# The engine's record fades by FORGET with each new sequence too, towards FIRST_PRIOR (one trial's
+# worth, always counted): otherwise a server whose first drafts happened to fail started every later
+# sequence too cautious to draft, and with no drafts the record never changed again (an A/B of one
+# client on random prompts: 4 draft tokens in 8 requests, where another start drafted 137 and kept 110).
 FIRST_PRIOR = 0.5
 PRIOR_TRIALS = 1.0
 DECAY = 0.7
 ENGINE_DECAY = 0.95
+FORGET = 0.8
 MAX_ACCEPTANCE = 0.995  # never certain: keeps the expected gain of a deep draft token below 1
 REST_STEPS = 16  # steps a batch size whose plan found nothing worth drafting is not planned again
 # A sequence's drafts are at most ``depth`` tokens deep: FIRST_DEPTH at first, doubled each time a whole
@@ -81,8 +86,8 @@ class Speculator:
         self._resting: dict[int, int] = {}  # batch-size class (bit length of sampling sequences) -> steps to skip
         self.cost = StepCost()
         self.stats = SpeculationStats()
-        self._engine_accepted = FIRST_PRIOR  # decayed counts over all sequences (see ENGINE_DECAY)
-        self._engine_trials = 1.0
+        self._engine_accepted = 0.0  # decayed counts over all sequences (see ENGINE_DECAY, FORGET)
+        self._engine_trials = 0.0
 
     def propose(self, out: SchedulerOutput, budget: int, max_model_len: int) -> list[tuple[ScheduledChunk, list[int]]]:
         """Draft tokens for this step's decodes, at most ``budget`` in all: [(chunk, draft)].
@@ -133,7 +138,10 @@ class Speculator:
         seq = self._sequences.get(req.request_id)
         if seq is None:
             ngrams = NgramIndex(*self._n_range) if self.method == "ngram" else None
-            seq = self._sequences[req.request_id] = _Sequence(ngrams, self._engine_accepted / self._engine_trials)
+            self._engine_accepted *= FORGET
+            self._engine_trials *= FORGET
+            prior = (self._engine_accepted + FIRST_PRIOR) / (self._engine_trials + 1.0)
+            seq = self._sequences[req.request_id] = _Sequence(ngrams, prior)
         return seq
 
     def observe_step(self, chunks: list[ScheduledChunk], seconds: float) -> None:

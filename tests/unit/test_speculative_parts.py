@@ -491,3 +491,22 @@ def test_a_new_sequence_starts_from_the_engines_recent_acceptance():
     assert likely.acceptance > 0.9 and unlikely.acceptance < 0.1
     copying.verified(request(99), 4, 0, 1)  # its own first draft fails at once
     assert likely.acceptance < 0.5
+
+
+def test_a_failed_start_does_not_keep_every_later_sequence_from_drafting():
+    """The engine's record fades with each new sequence back towards the first prior: after a few
+    failed drafts and a run of requests that drafted nothing, a new request is tried again."""
+    from cllm.config import SpeculativeConfig
+    from cllm.request import Request
+    from cllm.speculative import speculator as sp
+
+    def request(i: int) -> Request:
+        return Request(f"r{i}", [1, 2, 3], cllm.SamplingParams(max_tokens=100, temperature=0), 100)
+
+    spec = sp.Speculator(SpeculativeConfig(speculative="ngram"))
+    spec._sequence(request(0))
+    spec.verified(request(0), 4, 0, 1)  # the server's first draft fails
+    assert spec._sequence(request(1)).prior < 0.3
+    priors = [spec._sequence(request(i)).prior for i in range(2, 12)]  # ten requests that draft nothing
+    assert priors == sorted(priors) and priors[-1] > 0.4
+    assert priors[-1] < sp.FIRST_PRIOR  # the failure still counts a little
