@@ -112,11 +112,11 @@ class Speculator:
         depth_seconds = self._draft.step_seconds() if self._draft is not None else 0.0
         upper = [Candidate(seq.acceptance, limit) for seq, limit in zip(seqs, limits)]
         plan(upper, out.num_tokens, num_sampled, self.cost, budget, depth_seconds, apart=self._apart)
+        for seq in seqs:  # considered, drafting or not: a sequence whose drafts failed is tried again later
+            seq.rest()
         if not any(c.take for c in upper):
             self._resting[size] = REST_STEPS
             return []
-        for seq in seqs:
-            seq.rest()
         if self._draft is not None:
             wanted = [(c.request, cand.take) for c, cand in zip(chunks, upper) if cand.take > 0]
             drafted = self._draft.propose(wanted)
