@@ -15,6 +15,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from cllm.bench.metrics import LatencyStats, RequestRecord, RunSummary
+from cllm.machine import cpu_model
 
 
 class _Model(BaseModel):
@@ -93,16 +94,6 @@ def _version(dist: str) -> str | None:
         return None
 
 
-def _cpu_model() -> str | None:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or None
-
-
 def _gpu() -> str | None:
     """GPU names from torch if it is already loaded, else nvidia-smi if present."""
     torch = sys.modules.get("torch")
@@ -130,7 +121,7 @@ def collect_environment(*, threads: int | None, model_path: str | None) -> Envir
     """Versions, CPU/GPU and model of this machine."""
     return EnvironmentInfo(
         python=platform.python_version(), platform=platform.platform(), cllm=_version("cllm"),
-        llama_cpp_python=_version("llama_cpp_python"), torch=_version("torch"), cpu_model=_cpu_model(),
+        llama_cpp_python=_version("llama_cpp_python"), torch=_version("torch"), cpu_model=cpu_model(),
         cpu_cores=os.cpu_count(), threads=threads, gpu=_gpu(), model_path=model_path,
         llama_cpp_system_info=_llama_system_info(), load_average=_load_average(),
     )

@@ -27,6 +27,7 @@ from pathlib import Path
 import llama_cpp as C
 
 from cllm.backends.llama_cpp.native import LlamaBatchBuffer, LlamaContextHandle, LlamaModelHandle
+from cllm.machine import cpu_model
 from cllm.model_path import cache_root, file_fingerprint
 
 log = logging.getLogger(__name__)
@@ -44,7 +45,7 @@ def resolve_flash_attn(setting: bool | str, *, model: LlamaModelHandle, model_pa
     machine's measurement decides (True or False)."""
     if setting != "auto" or gpu_layers != 0 or type_v not in UNQUANTISED:
         return setting
-    key = "|".join([_cpu_name(), C.llama_print_system_info().decode(errors="replace").strip(), C.__version__,
+    key = "|".join([cpu_model() or "unknown", C.llama_print_system_info().decode(errors="replace").strip(), C.__version__,
                     file_fingerprint(model_path), str(n_threads)])
     store = cache_root() / "flash_attn.json"
     verdicts = _read(store)
@@ -99,16 +100,6 @@ def _decode(ctx: LlamaContextHandle, batch: LlamaBatchBuffer, tokens: list[int],
     rc = ctx.decode(batch)
     if rc != 0:
         raise RuntimeError(f"llama_decode returned {rc} in the flash-attention probe")
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
 
 
 def _read(store: Path) -> dict:
