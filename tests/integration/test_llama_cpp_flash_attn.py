@@ -84,3 +84,26 @@ def test_the_backend_runs_llama_cpp_with_the_verdict(cache: Path, monkeypatch: p
         assert np.isfinite(logits).all()
     finally:
         backend.close()
+
+
+def test_a_failed_probe_leaves_llama_cpp_its_own_auto_and_keeps_nothing(cache: Path, model: LlamaModelHandle,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(*args, **kwargs):
+        raise RuntimeError("llama.cpp could not create a context")
+
+    monkeypatch.setattr(fa, "LlamaContextHandle", broken)
+    kw = dict(model=model, model_path=resolve_model_path(None), gpu_layers=0, type_v="f16", n_threads=1)
+    assert fa.resolve_flash_attn("auto", **kw) == "auto"
+    assert not cache.exists()
+
+
+@pytest.mark.parametrize("content", ["not json", "[1, 2]", '{"KEY": {"flash_attn": "yes"}}', '{"KEY": 3}'])
+def test_a_damaged_verdict_file_means_a_new_measurement(cache: Path, model: LlamaModelHandle,
+                                                        monkeypatch: pytest.MonkeyPatch, content: str) -> None:
+    monkeypatch.setattr(fa, "measure", lambda m, n: (100.0, 50.0))
+    kw = dict(model=model, model_path=resolve_model_path(None), gpu_layers=0, type_v="f16", n_threads=1)
+    fa.resolve_flash_attn("auto", **kw)
+    (key,) = json.loads(cache.read_text())  # the real key, then a damaged entry or file in its place
+    cache.write_text(content.replace("KEY", key.replace("\\", "\\\\").replace('"', '\\"')))
+    assert fa.resolve_flash_attn("auto", **kw) is False
+    assert json.loads(cache.read_text())[key]["flash_attn"] is False

@@ -49,10 +49,15 @@ def resolve_flash_attn(setting: bool | str, *, model: LlamaModelHandle, model_pa
                     file_fingerprint(model_path), str(n_threads)])
     store = cache_root() / "flash_attn.json"
     verdicts = _read(store)
-    if key in verdicts:
-        return bool(verdicts[key]["flash_attn"])
+    kept = verdicts.get(key)
+    if isinstance(kept, dict) and isinstance(kept.get("flash_attn"), bool):
+        return kept["flash_attn"]
     started = time.perf_counter()
-    on_ms, off_ms = measure(model, n_threads)
+    try:
+        on_ms, off_ms = measure(model, n_threads)
+    except RuntimeError as exc:  # (a context that cannot be made, a failed decode): start as llama.cpp would
+        log.warning("flash_attn auto: the probe failed (%s); llama.cpp's own auto decides, nothing kept", exc)
+        return setting
     choice = off_ms * (1 + MARGIN) >= on_ms
     log.info("flash_attn auto: %s on this CPU (probe: %.1f ms with, %.1f ms without; %.1f s, once: %s)",
              "on" if choice else "off", on_ms, off_ms, time.perf_counter() - started, store)
@@ -64,15 +69,15 @@ def resolve_flash_attn(setting: bool | str, *, model: LlamaModelHandle, model_pa
 def measure(model: LlamaModelHandle, n_threads: int) -> tuple[float, float]:
     """Milliseconds of one one-token step plus one PROBE_TOKENS-token step after PROBE_CONTEXT
     tokens, with flash attention and without (medians over the rounds)."""
-    contexts = {on: LlamaContextHandle(model=model, n_ctx=2 * PROBE_CONTEXT, n_batch=PROBE_CONTEXT,
-                                       n_ubatch=PROBE_CONTEXT, n_seq_max=1, n_threads=n_threads,
-                                       flash_attn=on, kv_unified=True)
-                for on in (True, False)}
+    contexts: dict[bool, LlamaContextHandle] = {}
     batch = LlamaBatchBuffer(capacity=PROBE_CONTEXT)
     prompt = [(7919 * i) % model.n_vocab for i in range(PROBE_CONTEXT)]
     try:
-        for ctx in contexts.values():
-            _decode(ctx, batch, prompt, 0)
+        for on in (True, False):
+            contexts[on] = LlamaContextHandle(model=model, n_ctx=2 * PROBE_CONTEXT, n_batch=PROBE_CONTEXT,
+                                              n_ubatch=PROBE_CONTEXT, n_seq_max=1, n_threads=n_threads,
+                                              flash_attn=on, kv_unified=True)
+            _decode(contexts[on], batch, prompt, 0)
         times: dict[bool, list[float]] = {True: [], False: []}
         for _ in range(ROUNDS):
             for on, ctx in contexts.items():
@@ -103,10 +108,12 @@ def _decode(ctx: LlamaContextHandle, batch: LlamaBatchBuffer, tokens: list[int],
 
 
 def _read(store: Path) -> dict:
+    """The kept verdicts; {} when there are none or the file is not what this module writes."""
     try:
-        return json.loads(store.read_text())
+        verdicts = json.loads(store.read_text())
     except (OSError, ValueError):
         return {}
+    return verdicts if isinstance(verdicts, dict) else {}
 
 
 def _write(store: Path, verdicts: dict) -> None:
