@@ -46,6 +46,7 @@ import pytest
 import torch
 
 import cllm
+from cllm.bench.layer_draft import write_layer_draft
 from cllm.handoff.local import hand_off
 from cllm.model_path import resolve_model_path
 from cllm.speculative.step_cost import StepCost
@@ -511,6 +512,46 @@ def test_draft_model_drafting_for_itself_gives_the_same_output(off):
         assert speculator.stats.proposed_tokens > greedy.proposed_tokens
         assert speculator._draft.backend.num_free_slots() == SETTINGS["n_seq_max"]  # finished: out of the draft KV
     assert greedy.accepted_tokens >= 0.8 * greedy.proposed_tokens, greedy
+
+
+DRAFT_LAYERS = 24  # of the embedded model's 30: its greedy tokens agree with the target's about a third of the time
+
+
+def test_a_draft_model_whose_drafts_are_partly_rejected_gives_the_same_output(off, tmp_path):
+    """A real smaller draft model (the target's first DRAFT_LAYERS blocks, cllm.bench.layer_draft): its
+    drafts are accepted in part, so the draft model's KV is cut back after rejections; the output is
+    the target's own, greedy and seeded, and the draft KV never holds a token that is not the sequence's."""
+    draft = write_layer_draft(resolve_model_path(None), tmp_path / "draft.gguf", DRAFT_LAYERS)
+    with cllm.LLM(**SETTINGS, speculative="draft", speculative_model=str(draft)) as llm:
+        speculator = llm.engine.speculator
+        speculator.cost = FlatCost(step=1.0)  # long drafts whatever they cost (see FlatCost)
+        model = speculator._draft
+        synced = []
+        sync = model.sync
+
+        def checked_sync(req) -> None:
+            sync(req)
+            held = model._held.get(req.request_id)
+            if held is not None:
+                assert held == req.all_token_ids[:len(held)], "the draft KV holds a token that is not the sequence's"
+                assert len(held) <= req.num_tokens
+                synced.append(len(held))
+
+        model.sync = checked_sync
+        with watch_verify(llm.engine) as seen:
+            for prompt in COPY_PROMPTS + ["The capital of France is"]:
+                same_choice(alone(llm, prompt, GREEDY).outputs[0], alone(off, prompt, GREEDY).outputs[0])
+        stats = dataclasses.replace(speculator.stats)
+        partial = [(draft, emitted) for verifications in seen.values() for _, draft, emitted in verifications
+                   if 1 < emitted <= len(draft)]  # some draft tokens kept, then one rejected
+        for params in (cllm.SamplingParams(max_tokens=24, temperature=0.8, seed=3),
+                       cllm.SamplingParams(max_tokens=24, temperature=0.7, n=2, seed=11)):
+            got, want = alone(llm, COPY_PROMPTS[0], params), alone(off, COPY_PROMPTS[0], params)
+            for a, b in zip(got.outputs, want.outputs, strict=True):
+                same_choice(a, b)
+        assert model.backend.num_free_slots() == SETTINGS["n_seq_max"]  # finished: out of the draft KV
+    assert stats.proposed_tokens > 40 and 0 < stats.accepted_tokens < stats.proposed_tokens, stats
+    assert partial and synced, "no draft was partly accepted: the rollback was not tested"
 
 
 # -------------------------------------------------------------------- torch, the embedded model
