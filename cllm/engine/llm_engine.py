@@ -500,7 +500,10 @@ class LLMEngine:
         if v.status is not None:
             req.stop_reason = v.reason
             self.scheduler.finish(req, v.status)
-        req.metrics.last_token_time = now
+        metrics = req.metrics
+        if metrics.first_token_time is None:  # a cached prompt's last token can carry drafts: its first step verifies
+            metrics.first_token_time = now
+        metrics.last_token_time = now
         touched[v.group.group_id] = v.group
         self._generated_tokens += v.emitted
         self._rate.add(v.emitted, now)

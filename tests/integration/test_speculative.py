@@ -37,6 +37,7 @@ import contextlib
 import dataclasses
 import json
 import math
+import time
 from collections import defaultdict
 from collections.abc import Iterator
 from pathlib import Path
@@ -254,6 +255,29 @@ def test_llama_cpp_prefix_cache_after_rejected_drafts():
     with cllm.LLM(**SETTINGS, speculative="off") as cold:
         want = alone(cold, sequence[:len(first.prompt_token_ids) + 20], params)
     assert_greedy_agree(again, want)  # a cache hit: within rounding (docs/reproducibility.md)
+
+
+def test_a_cached_prompt_whose_first_step_verifies_drafts_has_its_first_token_time():
+    """A prompt the prefix cache holds but for its last token starts with a one-token step, which may
+    carry drafts (its last n-gram occurs earlier in it): its first tokens then come from a
+    verification, and the time to first token must be that step's (it was left unset: no TTFT in
+    /metrics or the access log, or a later step's)."""
+    prompt = COPY_PROMPTS[2]  # ends with "1. red", which it starts with
+    with cllm.LLM(**dict(SETTINGS, prefix_cache=True), speculative="ngram") as llm:
+        llm.engine.speculator.cost = FlatCost()
+        alone(llm, prompt, GREEDY)
+        for max_tokens in (4, 20):  # every token from that verification; then more steps after it
+            with watch_verify(llm.engine) as seen:
+                speculator, ended = llm.engine.speculator, []
+                verified = speculator.verified
+                speculator.verified = lambda *args: (verified(*args), ended.append(time.monotonic()))
+                started = time.monotonic()
+                out = alone(llm, prompt, cllm.SamplingParams(max_tokens=max_tokens, temperature=0))
+            first = next(iter(seen.values()))[0]
+            assert first[0] == 0 and first[2] > 1, f"the first step verified no draft: nothing was tested ({first})"
+            m = out.metrics
+            assert m.ttft is not None and started <= m.first_token_time <= ended[0]  # that step's time, not a later one's
+            assert m.first_token_time <= m.last_token_time
 
 
 # ----------------------------------------------------------------- llama.cpp, stops and limits
