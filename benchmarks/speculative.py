@@ -19,8 +19,9 @@ speed-up is shown to come from copying.
 
 One stream: requests one after another; output tokens/s = completion tokens / (last token - first
 token) (the decode rate; the prompt's prefill is reported apart as TTFT). Concurrency: ``--clients``
-closed loops over the copy and chat sets at once, tokens/s = all completion tokens / wall time, for
-``cllm`` and ``cllm-ngram`` only (speculation must never make a busy server slower).
+closed loops over the copy and chat sets at once (``--busy-requests`` requests per client), tokens/s =
+all completion tokens / wall time, for ``cllm`` and ``cllm-ngram`` only (speculation must never make a
+busy server slower), with the draft tokens cllm-ngram proposed and kept there (from ``/v1/engine``).
 
 Targets (issue 29): one stream on copy/extract/list >= 1.8x cllm without speculation and >= 1.5x
 llama best; chat >= 0.97x; at 16 and 64 clients >= 0.97x cllm without speculation.
@@ -194,6 +195,7 @@ def run(args: argparse.Namespace) -> dict:
     single: dict[str, dict[str, list[dict]]] = {s: {name: [] for name in sets} for s in args.systems}
     busy: dict[str, dict[int, list[float]]] = {s: {c: [] for c in args.clients} for s in args.systems if s.startswith("cllm")}
     mixed = sets["copy"] + sets["chat"]
+    drafted: dict[int, list[list[int]]] = {c: [] for c in args.clients}  # per round: [proposed, accepted]
     failures: list[str] = []
     for round_no in range(args.rounds):
         order = args.systems if round_no % 2 == 0 else list(reversed(args.systems))
@@ -212,7 +214,11 @@ def run(args: argparse.Namespace) -> dict:
                         server.stop()
                         server = start(system, args, binary)
                 for clients in args.clients if system in busy else []:
-                    busy[system][clients].append(asyncio.run(closed_loops(server.url, mixed, clients, clients * 2, args.busy_tokens)))
+                    before = _spec_counters(server.url)
+                    busy[system][clients].append(asyncio.run(closed_loops(server.url, mixed, clients,
+                                                                          clients * args.busy_requests, args.busy_tokens)))
+                    if system == "cllm-ngram":
+                        drafted[clients].append([a - b for a, b in zip(_spec_counters(server.url), before)])
             except Exception:
                 print(Path(server.log.name).read_text(errors="replace")[-2000:], file=sys.stderr)
                 raise
@@ -222,8 +228,15 @@ def run(args: argparse.Namespace) -> dict:
     if args.json:  # the raw results first: a summary that fails must not lose a quarter-hour run
         args.json.with_suffix(".raw.json").write_text(json.dumps({"single": single, "busy": busy}, indent=1))
     report = summarize(single, busy, sets)
+    report["busy_drafts"] = {str(c): rounds for c, rounds in drafted.items()}
     report["failures"] = failures
     return report
+
+
+def _spec_counters(url: str) -> tuple[int, int]:
+    """The server's draft tokens proposed and accepted so far (GET /v1/engine)."""
+    stats = httpx.get(f"{url}/v1/engine", timeout=30).json()["stats"]
+    return stats.get("spec_proposed_tokens", 0), stats.get("spec_accepted_tokens", 0)
 
 
 def summarize(single: dict[str, dict[str, list[dict]]], busy: dict[str, dict[int, list[float]]],
@@ -287,8 +300,10 @@ def print_table(report: dict) -> None:
         print(f"{name:<8}" + "".join(f"{t[s][name]:>20.1f}" for s in systems)
               + f"{r.get('vs_cllm_off', 0):>11.2f}{r.get('vs_llama_best', 0):>18.2f}")
     for clients, row in report["concurrency_tok_s"].items():
+        drafts = report.get("busy_drafts", {}).get(clients, [])
         print(f"{clients} clients (copy + chat): " + ", ".join(f"{k} {v:.2f}" if k == "ratio" else f"{k} {v:.1f} tok/s"
-                                                           for k, v in row.items()))
+                                                           for k, v in row.items())
+              + (f"; cllm-ngram drafted {sum(d[0] for d in drafts)} tokens, kept {sum(d[1] for d in drafts)}" if drafts else ""))
     for failure in report.get("failures", []):
         print(f"failed (0.0 above where no round succeeded): {failure}")
     if "copied_share" in report:
@@ -303,6 +318,8 @@ def main() -> None:
     p.add_argument("--clients", type=int, nargs="*", default=[16, 64])
     p.add_argument("--max-tokens", type=int, default=192, help="max_tokens of the one-stream requests")
     p.add_argument("--busy-tokens", type=int, default=96, help="max_tokens of the concurrent requests")
+    p.add_argument("--busy-requests", type=int, default=4,
+                   help="requests per client at each concurrency level (2 left a round's ratio +-5 %% of noise)")
     p.add_argument("--ctx-per-slot", type=int, default=1024)
     p.add_argument("--systems", nargs="+", default=SYSTEMS, choices=SYSTEMS)
     p.add_argument("--quick", action="store_true", help="two prompts per set")
