@@ -541,41 +541,103 @@ def test_draft_model_drafting_for_itself_gives_the_same_output(off):
 DRAFT_LAYERS = 24  # of the embedded model's 30: its greedy tokens agree with the target's about a third of the time
 
 
-def test_a_draft_model_whose_drafts_are_partly_rejected_gives_the_same_output(off, tmp_path):
-    """A real smaller draft model (the target's first DRAFT_LAYERS blocks, cllm.bench.layer_draft): its
-    drafts are accepted in part, so the draft model's KV is cut back after rejections; the output is
-    the target's own, greedy and seeded, and the draft KV never holds a token that is not the sequence's."""
-    draft = write_layer_draft(resolve_model_path(None), tmp_path / "draft.gguf", DRAFT_LAYERS)
-    with cllm.LLM(**SETTINGS, speculative="draft", speculative_model=str(draft)) as llm:
-        speculator = llm.engine.speculator
-        speculator.cost = FlatCost(step=1.0)  # long drafts whatever they cost (see FlatCost)
-        model = speculator._draft
-        synced = []
-        sync = model.sync
+@pytest.fixture(scope="module")
+def layer_draft(tmp_path_factory) -> str:
+    """A real smaller draft model: the target's first DRAFT_LAYERS blocks (cllm.bench.layer_draft), whose
+    drafts are accepted in part, so the draft model's KV is cut back after rejections."""
+    path = tmp_path_factory.mktemp("draft") / "draft.gguf"
+    return str(write_layer_draft(resolve_model_path(None), path, DRAFT_LAYERS))
 
-        def checked_sync(req) -> None:
-            sync(req)
-            held = model._held.get(req.request_id)
-            if held is not None:
-                assert held == req.all_token_ids[:len(held)], "the draft KV holds a token that is not the sequence's"
-                assert len(held) <= req.num_tokens
-                synced.append(len(held))
 
-        model.sync = checked_sync
-        with watch_verify(llm.engine) as seen:
+@pytest.fixture(scope="module")
+def drafting(layer_draft) -> Iterator[cllm.LLM]:
+    with cllm.LLM(**SETTINGS, speculative="draft", speculative_model=layer_draft) as llm:
+        llm.engine.speculator.cost = FlatCost(step=1.0)  # long drafts whatever they cost (see FlatCost)
+        yield llm
+
+
+def test_a_draft_model_whose_drafts_are_partly_rejected_gives_the_same_output(off, drafting):
+    """The output is the target's own, greedy and seeded, and the draft KV never holds a token that is
+    not the sequence's."""
+    speculator = drafting.engine.speculator
+    model = speculator._draft
+    start = dataclasses.replace(speculator.stats)
+    synced = []
+    sync = model.sync
+
+    def checked_sync(req) -> None:
+        sync(req)
+        held = model._held.get(req.request_id)
+        if held is not None:
+            assert held == req.all_token_ids[:len(held)], "the draft KV holds a token that is not the sequence's"
+            assert len(held) <= req.num_tokens
+            synced.append(len(held))
+
+    model.sync = checked_sync
+    try:
+        with watch_verify(drafting.engine) as seen:
             for prompt in COPY_PROMPTS + ["The capital of France is"]:
-                same_choice(alone(llm, prompt, GREEDY).outputs[0], alone(off, prompt, GREEDY).outputs[0])
-        stats = dataclasses.replace(speculator.stats)
+                same_choice(alone(drafting, prompt, GREEDY).outputs[0], alone(off, prompt, GREEDY).outputs[0])
+        proposed = speculator.stats.proposed_tokens - start.proposed_tokens
+        accepted = speculator.stats.accepted_tokens - start.accepted_tokens
         partial = [(draft, emitted) for verifications in seen.values() for _, draft, emitted in verifications
                    if 1 < emitted <= len(draft)]  # some draft tokens kept, then one rejected
         for params in (cllm.SamplingParams(max_tokens=24, temperature=0.8, seed=3),
                        cllm.SamplingParams(max_tokens=24, temperature=0.7, n=2, seed=11)):
-            got, want = alone(llm, COPY_PROMPTS[0], params), alone(off, COPY_PROMPTS[0], params)
+            got, want = alone(drafting, COPY_PROMPTS[0], params), alone(off, COPY_PROMPTS[0], params)
             for a, b in zip(got.outputs, want.outputs, strict=True):
                 same_choice(a, b)
-        assert model.backend.num_free_slots() == SETTINGS["n_seq_max"]  # finished: out of the draft KV
-    assert stats.proposed_tokens > 40 and 0 < stats.accepted_tokens < stats.proposed_tokens, stats
+    finally:
+        del model.sync
+    assert model.backend.num_free_slots() == SETTINGS["n_seq_max"]  # finished: out of the draft KV
+    assert proposed > 40 and 0 < accepted < proposed, (proposed, accepted)
     assert partial and synced, "no draft was partly accepted: the rollback was not tested"
+
+
+def test_a_draft_model_with_stop_strings_logprobs_and_a_grammar(off, drafting):
+    """What item 2 of the speculative issue names for both methods, with the draft model: a stop string
+    met inside a verification, logprobs (the target's), and JSON-schema output whose drafts are checked
+    against the grammar."""
+    before = counters(drafting)
+    params = cllm.SamplingParams(max_tokens=60, temperature=0, stop=["keeper climbed"])
+    got, want = alone(drafting, COPY_PROMPTS[0], params), alone(off, COPY_PROMPTS[0], params)
+    same_choice(got.outputs[0], want.outputs[0])
+    assert got.outputs[0].finish_reason == "stop" and got.outputs[0].stop_reason == "keeper climbed"
+    want, got = alone(off, COPY_PROMPTS[0], GREEDY_LP), alone(drafting, COPY_PROMPTS[0], GREEDY_LP)
+    assert got.outputs[0].token_ids == want.outputs[0].token_ids
+    for x, y in zip(got.outputs[0].logprobs, want.outputs[0].logprobs, strict=True):
+        assert x.token_id == y.token_id and abs(x.logprob - y.logprob) <= LOGPROB_TOL
+        assert [t.token_id for t in x.top] == [t.token_id for t in y.top]
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+              "required": ["name", "age"], "additionalProperties": False}
+    record = '{"name": "Alice Smith", "age": 34}'
+    params = cllm.SamplingParams(max_tokens=30, temperature=0, json_schema=schema)
+    prompt = chat(f"Repeat this JSON exactly: {record}\nAgain: {record}")
+    got, want = alone(drafting, prompt, params), alone(off, prompt, params)
+    same_choice(got.outputs[0], want.outputs[0])
+    assert json.loads(got.outputs[0].text)["age"] == 34
+    proposed, accepted = (a - b for a, b in zip(counters(drafting), before))
+    assert accepted > 0 and proposed > accepted, (proposed, accepted)
+    assert drafting.engine.speculator._draft.backend.num_free_slots() == SETTINGS["n_seq_max"]
+
+
+def test_preemption_with_a_draft_model(layer_draft):
+    """Preempted and recomputed sequences keep drafting from a draft KV kept in step with them."""
+    params = cllm.SamplingParams(max_tokens=90, temperature=0, ignore_eos=True, logprobs=2)
+    prompts = [COPY_PROMPTS[0], COPY_PROMPTS[1], COPY_PROMPTS[2]]
+    small = dict(n_threads=1, n_seq_max=3, kv_unified=True, prefix_cache=False, n_ctx=256, flash_attn=True)
+    with cllm.LLM(**small, speculative="off") as ref:
+        want = ref.generate(prompts, params)
+    with cllm.LLM(**small, speculative="draft", speculative_model=layer_draft) as llm:
+        llm.engine.speculator.cost = FlatCost(step=1.0)
+        got = llm.generate(prompts, params)
+        stats = llm.stats()
+        free = llm.engine.backend.num_free_slots(), llm.engine.speculator._draft.backend.num_free_slots()
+    assert stats.num_preemptions >= 1 and free == (3, 3)
+    assert stats.spec_accepted_tokens > 0
+    assert all(len(o.outputs[0].token_ids) == 90 for o in got)
+    for a, b in zip(got, want):  # (only the rounding bound holds under preemption: see the n-gram test)
+        assert_greedy_agree(a, b)
 
 
 # -------------------------------------------------------------------- torch, the embedded model
