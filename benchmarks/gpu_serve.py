@@ -6,7 +6,8 @@ tokens/s at 1, 64 and 256 concurrent sequences three ways:
 
 1. raw forward: a ``TorchBackend`` alone, greedy decode steps with the pick on the device
    (``benchmarks/gpu_decode.py``'s loop);
-2. engine: ``cllm.LLM(backend="torch").generate`` of 64 / 256 prompts, after one warm call;
+2. engine: ``cllm.LLM(backend="torch").generate`` of 64 / 256 prompts, after one warm call: the median of
+   ENGINE_REPEATS timed calls (one call swung +-8 points of the raw forward between device calls);
 3. server: ``cllm serve --backend torch`` on its defaults (on CUDA: the engine core in a process of its
    own, server.engine_process auto; ``--smoke`` on the CPU forces it on, so the same path runs), streamed ``/v1/completions`` (``ignore_eos``,
    ~150-token prompts, greedy) from ``--client-procs`` client processes (raw asyncio sockets), closed
@@ -47,6 +48,7 @@ sys.path.insert(0, str(HERE))
 from gpu_decode import SHAPES, build_model, cllm_backend, cllm_decode  # noqa: E402
 
 LEVELS = (1, 64, 256)
+ENGINE_REPEATS = 3  # timed LLM.generate calls per level (their median is reported)
 VOCAB = 49152
 # --smoke: the same plumbing on the CPU with a 2-layer model and small loads (a check of the script itself)
 SMOKE_SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -85,17 +87,20 @@ def engine_offline(model_dir: Path, args: argparse.Namespace) -> dict[int, float
             prompts = [_prompt_ids(i, args.prompt_len) for i in range(b)]
             params = cllm.SamplingParams(max_tokens=args.tokens, temperature=0, ignore_eos=True)
             llm.generate(prompts, cllm.SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
-            t0 = time.perf_counter()
-            results = llm.generate(prompts, params)
-            wall = time.perf_counter() - t0
-            if args.py_spy and b == LEVELS[-1]:  # a profiled run after the measured one
+            rates = []
+            for _ in range(ENGINE_REPEATS):
+                t0 = time.perf_counter()
+                results = llm.generate(prompts, params)
+                wall = time.perf_counter() - t0
+                bad = [r for r in results if r.outputs[0].finish_reason != "length"]
+                if bad:
+                    raise RuntimeError(f"engine run: {len(bad)} requests ended {bad[0].outputs[0].finish_reason}: {bad[0].error}")
+                rates.append(sum(len(r.outputs[0].token_ids) for r in results) / wall)
+            out[b] = statistics.median(rates)
+            if args.py_spy and b == LEVELS[-1]:  # a profiled run after the measured ones
                 profile = _Profile(args.py_spy, f"engine_{b}", os.getpid(), 4)
                 llm.generate(prompts, params)
                 profile.wait()
-            bad = [r for r in results if r.outputs[0].finish_reason != "length"]
-            if bad:
-                raise RuntimeError(f"engine run: {len(bad)} requests ended {bad[0].outputs[0].finish_reason}: {bad[0].error}")
-            out[b] = sum(len(r.outputs[0].token_ids) for r in results) / wall
     finally:
         llm.close()
         _free_device_memory()
