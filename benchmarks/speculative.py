@@ -152,7 +152,11 @@ async def one_request(client: httpx.AsyncClient, url: str, prompt: str, max_toke
 
 
 async def one_stream(url: str, prompts: list[str], max_tokens: int) -> list[dict[str, float | str]]:
-    async with httpx.AsyncClient(timeout=600) as client:
+    # A new connection per request: llama-server closes a connection after a streamed response, and a
+    # request sent on it meanwhile failed with "Server disconnected without sending a response" — read
+    # until 2026-11-27 as llama-server crashing (its process was alive; 7-9 of 48 set-rounds lost).
+    limits = httpx.Limits(max_keepalive_connections=0)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
         return [await one_request(client, url, p, max_tokens) for p in prompts]
 
 
