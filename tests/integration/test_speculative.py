@@ -447,20 +447,28 @@ def test_request_may_turn_speculation_off(spec):
 # ------------------------------------------------------------------ llama.cpp, preemption, hand-off
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_preemption_with_speculation(mode):
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_preemption_with_speculation(method, mode, request):
+    """Preempted sequences (recomputed or swapped back) go on drafting; with a draft model, from a draft KV
+    kept in step with them (the draft: see ``layer_draft``)."""
     params = cllm.SamplingParams(max_tokens=90, temperature=0, ignore_eos=True, logprobs=2)
     prompts = [COPY_PROMPTS[0], COPY_PROMPTS[1], COPY_PROMPTS[2]]
     # A unified KV of 256 cells cannot hold three sequences of ~130 tokens: someone is preempted.
     small = dict(n_threads=1, n_seq_max=3, kv_unified=True, prefix_cache=False, n_ctx=256, preemption_mode=mode,
                  flash_attn=True)  # (LOGPROB_TOL's kernels; see docs/reproducibility.md on flash attention)
+    drafts = dict(speculative="draft", speculative_model=request.getfixturevalue("layer_draft")) if method == "draft" \
+        else dict(speculative="ngram")
     with cllm.LLM(**small, speculative="off") as ref:
         want = ref.generate(prompts, params)
-    with cllm.LLM(**small, speculative="ngram") as llm:
-        llm.engine.speculator.cost = FlatCost()
+    with cllm.LLM(**small, **drafts) as llm:
+        speculator = llm.engine.speculator
+        speculator.cost = FlatCost(step=1.0) if method == "draft" else FlatCost()  # (a draft's decode steps counted)
         got = llm.generate(prompts, params)
         stats = llm.stats()
-        free = llm.engine.backend.num_free_slots()
-    assert stats.num_preemptions >= 1 and free == 3
+        free = [llm.engine.backend.num_free_slots()]
+        if method == "draft":
+            free.append(speculator._draft.backend.num_free_slots())
+    assert stats.num_preemptions >= 1 and set(free) == {3}
     assert stats.spec_accepted_tokens > 0
     assert all(len(o.outputs[0].token_ids) == 90 for o in got)
     # Preemption recomputes prompts and reshuffles the unified cache's cells at other steps than
@@ -597,7 +605,7 @@ def test_a_draft_model_whose_drafts_are_partly_rejected_gives_the_same_output(of
 def test_a_draft_model_with_stop_strings_logprobs_and_a_grammar(off, drafting):
     """What item 2 of the speculative issue names for both methods, with the draft model: a stop string
     met inside a verification, logprobs (the target's), and JSON-schema output whose drafts are checked
-    against the grammar."""
+    against the grammar (preemption with a draft model: test_preemption_with_speculation)."""
     before = counters(drafting)
     params = cllm.SamplingParams(max_tokens=60, temperature=0, stop=["keeper climbed"])
     got, want = alone(drafting, COPY_PROMPTS[0], params), alone(off, COPY_PROMPTS[0], params)
@@ -619,25 +627,6 @@ def test_a_draft_model_with_stop_strings_logprobs_and_a_grammar(off, drafting):
     proposed, accepted = (a - b for a, b in zip(counters(drafting), before))
     assert accepted > 0 and proposed > accepted, (proposed, accepted)
     assert drafting.engine.speculator._draft.backend.num_free_slots() == SETTINGS["n_seq_max"]
-
-
-def test_preemption_with_a_draft_model(layer_draft):
-    """Preempted and recomputed sequences keep drafting from a draft KV kept in step with them."""
-    params = cllm.SamplingParams(max_tokens=90, temperature=0, ignore_eos=True, logprobs=2)
-    prompts = [COPY_PROMPTS[0], COPY_PROMPTS[1], COPY_PROMPTS[2]]
-    small = dict(n_threads=1, n_seq_max=3, kv_unified=True, prefix_cache=False, n_ctx=256, flash_attn=True)
-    with cllm.LLM(**small, speculative="off") as ref:
-        want = ref.generate(prompts, params)
-    with cllm.LLM(**small, speculative="draft", speculative_model=layer_draft) as llm:
-        llm.engine.speculator.cost = FlatCost(step=1.0)
-        got = llm.generate(prompts, params)
-        stats = llm.stats()
-        free = llm.engine.backend.num_free_slots(), llm.engine.speculator._draft.backend.num_free_slots()
-    assert stats.num_preemptions >= 1 and free == (3, 3)
-    assert stats.spec_accepted_tokens > 0
-    assert all(len(o.outputs[0].token_ids) == 90 for o in got)
-    for a, b in zip(got, want):  # (only the rounding bound holds under preemption: see the n-gram test)
-        assert_greedy_agree(a, b)
 
 
 # -------------------------------------------------------------------- torch, the embedded model
