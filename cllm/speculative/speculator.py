@@ -38,8 +38,7 @@ REST_STEPS = 16  # steps a batch size whose plan found nothing worth drafting is
 # few; at 4 a copying sequence spent three short steps (4, 8, 16) reaching full depth. Replayed on the
 # embedded model with each step priced by the measured step-cost curve (benchmarks/spec_policy.py),
 # 4 -> 12 raised the mean one-stream rate by 17 % on copy, 8 % on extract, 6 % on list, chat -0.3 %.
-FIRST_DEPTH = 12
-REGROW_DEPTH = 12  # after a wholly accepted draft a sequence may draft at least this deep again
+FIRST_DEPTH = 12  # and, after a wholly accepted draft, at least this deep again
 
 
 @dataclass(slots=True)
@@ -164,7 +163,10 @@ class Speculator:
         if seq is not None:
             seq.accepted += accepted
             seq.trials += trials
-            seq.depth = min(self.max_tokens, max(2 * proposed, REGROW_DEPTH)) if accepted == proposed else max(1, 2 * accepted)
+            if accepted == proposed:
+                seq.depth = min(self.max_tokens, max(2 * proposed, FIRST_DEPTH))
+            else:
+                seq.depth = max(1, 2 * accepted)
         self._engine_accepted = self._engine_accepted * ENGINE_DECAY + accepted
         self._engine_trials = self._engine_trials * ENGINE_DECAY + trials
         s = self.stats

@@ -457,12 +457,12 @@ def test_auto_is_ngram_on_llama_cpp_and_off_on_torch():
 
 def test_a_sequence_drafts_deeper_only_after_whole_drafts_are_accepted():
     """FIRST_DEPTH at first; a wholly accepted draft doubles the depth (up to num_speculative_tokens, and
-    at least REGROW_DEPTH again); a rejection cuts it to twice what was accepted (at least 1)."""
+    at least FIRST_DEPTH again); a rejection cuts it to twice what was accepted (at least 1)."""
     from cllm.config import SpeculativeConfig
     from cllm.request import Request
     from cllm.speculative import speculator as sp
 
-    assert (sp.FIRST_DEPTH, sp.REGROW_DEPTH) == (12, 12)
+    assert sp.FIRST_DEPTH == 12
     spec = sp.Speculator(SpeculativeConfig(speculative="ngram", num_speculative_tokens=24))
     req = Request("r", [1, 2, 3], cllm.SamplingParams(max_tokens=100, temperature=0), 100)
     seq = spec._sequence(req)
