@@ -90,7 +90,7 @@ def run_policy(settings: dict[str, float], sets: dict[str, list[str]], price, ma
                 raise SystemExit(f"no constant {name!r} in cllm/speculative/speculator.py")
             setattr(spec_module, name, type(saved[name])(value))
         spec_module.Speculator.observe_step = observe_step
-        StepCost.seconds = lambda self, n: price(n) / 1000 if n > 0 else 0.0
+        StepCost.seconds = lambda self, n, context=0: price(n) / 1000 if n > 0 else 0.0
         llm = cllm.LLM(backend="llama_cpp", **kwargs)
         params = cllm.SamplingParams(max_tokens=max_tokens, temperature=0)
         result: dict[str, list[float]] = {}

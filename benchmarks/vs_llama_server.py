@@ -19,7 +19,8 @@ What it does:
    ratios (medians over rounds), and writes JSON + markdown (+ PNG).
 
 Workloads: (a) ~32-token distinct prompts, 64 tokens out, 1/8/16/32/64 clients;
-(b) 128-token prompts, 64 out; (c) churn: 16 tokens out, 64 clients, 8 slots.
+(b) 128-token prompts, 64 out; (c) churn: 16 tokens out, 64 clients, 8 slots; (d) long prompts:
+~1,000 tokens, 64 out, 1/8/16 clients, 2,048 cells per slot (a RAG or long-document chat).
 
     .venv/bin/python benchmarks/vs_llama_server.py            # full (~15 min on 2 cores)
     .venv/bin/python benchmarks/vs_llama_server.py --quick    # iteration (~4 min)
@@ -79,6 +80,7 @@ class Workload:
     slots: int  # server sequence slots
     prompts_per_client: float  # requests per level = max(min_prompts, clients * this)
     min_prompts: int = 8  # floor on requests per level
+    ctx_per_slot: int | None = None  # KV cells per slot for this workload (None: --ctx-per-slot)
 
 
 @dataclass(slots=True)
@@ -117,11 +119,13 @@ def workloads(quick: bool) -> list[Workload]:
             Workload("a", "64 out from ~32-token prompts", 32, 64, [1, 16, 64], 64, 1.0, 4),
             Workload("b", "128-token prompts, 64 out", 128, 64, [16], 16, 1.0, 4),
             Workload("c", "churn: 16 out, 64 clients, 8 slots", 32, 16, [64], 8, 2.0),
+            Workload("d", "long prompts: ~1,000 tokens, 64 out", 1000, 64, [1, 8], 16, 1.0, 4, 2048),
         ]
     return [
         Workload("a", "64 out from ~32-token prompts", 32, 64, [1, 8, 16, 32, 64], 64, 2.0),
         Workload("b", "128-token prompts, 64 out", 128, 64, [1, 16], 16, 2.0),
         Workload("c", "churn: 16 out, 64 clients, 8 slots", 32, 16, [64], 8, 3.0),
+        Workload("d", "long prompts: ~1,000 tokens, 64 out", 1000, 64, [1, 8, 16], 16, 2.0, 8, 2048),
     ]
 
 
@@ -197,9 +201,10 @@ def _amx_build() -> bool:
     return amx()
 
 
-def start_server(name: str, settings: Settings, slots: int, binary: Path) -> BenchServer:
+def start_server(name: str, settings: Settings, w: Workload, binary: Path) -> BenchServer:
     port = free_port()
-    n_ctx = str(slots * settings.ctx_per_slot)
+    slots = w.slots
+    n_ctx = str(slots * (w.ctx_per_slot or settings.ctx_per_slot))
     if name == "llama-server":
         cmd = [str(binary), "-m", settings.llama_model, "--host", "127.0.0.1", "--port", str(port), "-t", str(settings.threads),
                "-np", str(slots), "-c", n_ctx, "--no-webui", "--log-disable"]
@@ -246,7 +251,7 @@ def run_all(settings: Settings, loads: list[Workload], binary: Path) -> list[Poi
         for round_no in range(settings.rounds):
             order = ["llama-server", "cllm"] if round_no % 2 == 0 else ["cllm", "llama-server"]
             for name in order:
-                server = start_server(name, settings, w.slots, binary)
+                server = start_server(name, settings, w, binary)
                 try:
                     if name == "cllm":
                         settings.cllm_weights = httpx.get(server.url + "/v1/engine", timeout=30).json().get("weights")
@@ -342,7 +347,7 @@ def main() -> None:
     parser.add_argument("--ctx-per-slot", type=int, default=512, help="KV cells per slot, both servers")
     parser.add_argument("--rounds", type=int, default=2, help="alternating rounds (the order flips each round)")
     parser.add_argument("--quick", action="store_true", help="fewer levels and requests, for iteration")
-    parser.add_argument("--workloads", default="abc", help="which of a, b, c to run")
+    parser.add_argument("--workloads", default="abcd", help="which of a, b, c, d to run")
     parser.add_argument("--llama-server-model", default=None,
                         help="the file llama-server loads instead of --model: e.g. the converted copy cllm runs (GET /v1/engine "
                              "'weights'), to compare the servers on equal weights")

@@ -40,7 +40,7 @@ class LlamaCppConfig(_Section):
 
     n_ubatch: int = Field(512, ge=1, le=1 << 16, description="physical micro-batch size inside llama_decode")
     weights: Literal["auto", "file", "q8_0", "f16"] = Field("auto", description="which weights llama.cpp runs: file = the model file as it is (llama-server's numerics); q8_0 / f16 = a copy converted once by llama.cpp's quantizer and cached under ~/.cache/cllm/weights; auto = q8_0 for a Q4_1 file whose Q8_0 copy is at most 256 MiB, on an AVX2 CPU with no GPU layers (llama.cpp has no batched Q4_1 kernel on x86: measured 1.6-1.75x at 16-64 sequences, 0.98x at one), else file (cllm/backends/llama_cpp/weights.py)")
-    flash_attn: bool | Literal["auto"] = Field("auto", description="llama.cpp's flash attention kernels: auto = on a CPU, measured once on this machine (both timed, the verdict cached: on unless >5 % slower; an AVX2 EPYC was 12 % faster with them, an AVX-512 Xeon 25-75 % slower at decode); on a GPU llama.cpp's own auto (on where supported); true = required, false = off")
+    flash_attn: bool | Literal["auto"] = Field("auto", description="llama.cpp's flash attention kernels: auto = on a CPU, serving steps (decodes of 1 and 16 sequences at short and long contexts, a verification, a prefill chunk) timed once on this machine with and without them, the verdict cached: on unless the geometric mean of the time ratios says >5 % slower (measured on an AVX-512/BF16 EPYC: 0.80x, on; an AVX-512/AMX Xeon's earlier step timings give ~1.4x, off); on a GPU llama.cpp's own auto (on where supported); true = required, false = off")
     prefix_cache: bool = Field(True, description="keep finished sequences' KV in idle slots for prefix reuse")
     prompt_cache_mib: int | None = Field(None, ge=0, description="host memory (MiB) for the KV of sequences evicted from their slots, loaded back when a later prompt starts with them (llama-server's --cache-ram); the server's engine copies idle slots there while it has nothing to do, so an eviction seldom waits for the copy; null = 1/8 of the memory available at start-up, at most 8192 (llama-server's default); 0 = off")
     slot_prompt_similarity: float = Field(0.5, ge=0.0, le=1.0, description="a cached prefix is reused only when it covers at least this fraction of the new prompt (as llama-server's --slot-prompt-similarity); otherwise the request takes an empty slot, else the least recently used one, so a shared BOS or chat header never evicts a long cached conversation")
@@ -89,12 +89,20 @@ class SchedulerConfig(_Section):
     max_num_seqs: int | None = Field(None, ge=1, le=4096, description="running sequences cap; None = backend's n_seq_max")
     max_num_batched_tokens: int | None = Field(None, ge=1, le=1 << 20, description="token budget per step; None = n_batch")
     max_prefill_chunk: int | None = Field(None, ge=1, le=1 << 20, description="most prompt tokens one step carries while any sequence is decoding, so a decode waits at most this much prefill; with nobody decoding a step may fill the whole token budget with prompts (as llama-server fills n_batch); None = the whole token budget (decodes first, prompts fill the rest), as llama-server and vLLM")
-    max_decode_stall_ms: float | None = Field(None, gt=0, le=1e6, description="while sequences decode, a step's prompt tokens are cut so that the step should take at most this long, from the seconds per batched token measured on this machine (at least 16 prompt tokens a step, so prompts always progress); null = off (bounded by max_prefill_chunk alone). Off by default: it trades one long gap for many shorter ones (ITL p99 2.5-4x higher at 16-64 clients with 300 ms)")
+    max_decode_stall_ms: float | Literal["auto", "off"] | None = Field("auto", description="while sequences decode, a step's prompt tokens are cut so that the step should take at most this long, from the seconds per batched token measured on this machine (at least 16 prompt tokens a step, so prompts always progress); auto = decode_stall_factor times the measured time of a decode step of as many sequences, so a long prompt arriving beside running streams is prefilled over several steps instead of stalling them for its whole prefill (~1.5 s per 1,000 tokens on 2 CPU cores); off (or null) = no time bound (max_prefill_chunk alone)")
+    decode_stall_factor: float = Field(3.0, ge=1.0, le=1000.0, description="with max_decode_stall_ms: auto, how many times longer than a decode step of the same sequences a step carrying prompt tokens may take")
     policy: Literal["fcfs", "priority"] = Field("fcfs", description="waiting-queue order: arrival, or priority (lower value first) then arrival")
     preemption_mode: Literal["recompute", "swap"] = Field("recompute", description="how a preempted sequence resumes: re-evaluate its tokens, or restore saved KV (backends that support it)")
     max_waiting: int = Field(1024, ge=0, le=1 << 20, description="waiting-queue bound; beyond it new requests are refused (HTTP 429)")
     request_timeout_s: float | None = Field(None, gt=0, description="per-request deadline in seconds, from arrival; None = none")
     max_stop_string_chars: int = Field(256, ge=1, le=1 << 16, description="longest stop string a request may give (stop matching scans this much text per token)")
+
+    @field_validator("max_decode_stall_ms")
+    @classmethod
+    def _positive_stall(cls, value: float | str | None) -> float | str | None:
+        if isinstance(value, (int, float)) and not 0 < value <= 1e6:
+            raise ValueError(f"max_decode_stall_ms={value!r}: give milliseconds in (0, 1e6], 'auto' or 'off'")
+        return None if value == "off" else value
 
 
 class ServerConfig(_Section):

@@ -316,7 +316,7 @@ class LLMEngine:
         started = time.perf_counter()
         try:
             logits, verify = self._forward(out.chunks)
-            self.scheduler.observe_step(out.num_tokens, time.perf_counter() - started)
+            self.scheduler.observe_step(out.num_tokens, time.perf_counter() - started, len(out.chunks))
         except KVCacheFullError as err:
             if self.scheduler.preempt_for_kv(err.sequence_ids) is None:
                 self._fail(err.sequence_ids, str(err), touched)

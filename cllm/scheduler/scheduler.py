@@ -56,8 +56,12 @@ class Scheduler:
         self.prefill_chunk = min(config.max_prefill_chunk or self.token_budget, self.token_budget)
         # Seconds per batched token (an average over steps of at least COST_SAMPLE_TOKENS), measured by
         # the engine: with max_decode_stall_ms it turns a step-time bound into a token bound.
-        self.stall_s = None if config.max_decode_stall_ms is None else config.max_decode_stall_ms / 1000
+        stall = config.max_decode_stall_ms
+        self.stall_s = stall / 1000 if isinstance(stall, (int, float)) else None
+        # auto: the bound is stall_factor x the measured time of a pure decode step of as many sequences
+        self.stall_factor = config.decode_stall_factor if stall == "auto" else None
         self.seconds_per_token: float | None = None
+        self.decode_seconds: dict[int, float] = {}  # batch-size class (bit length) -> pure decode step, moving average
         self.swap = config.preemption_mode == "swap" and backend.supports_state_swap
         self.waiting = WaitingQueue(config.policy)
         self.running: list[Request] = []
@@ -205,16 +209,33 @@ class Scheduler:
 
     def _prefill_while_decoding(self, num_decoding: int) -> int:
         """Prompt tokens a step may carry beside ``num_decoding`` decodes: max_prefill_chunk, and
-        what keeps the step within max_decode_stall_ms at the measured cost per token."""
+        what keeps the step within the stall bound at the measured cost per token."""
         chunk = self.prefill_chunk
-        if self.stall_s is not None and self.seconds_per_token is not None:
-            chunk = min(chunk, max(MIN_PREFILL_PER_STEP, int(self.stall_s / self.seconds_per_token) - num_decoding))
+        stall = self.stall_bound(num_decoding)
+        if stall is not None and self.seconds_per_token is not None:
+            chunk = min(chunk, max(MIN_PREFILL_PER_STEP, int(stall / self.seconds_per_token) - num_decoding))
         return chunk
 
-    def observe_step(self, num_tokens: int, seconds: float) -> None:
-        """The engine reports each forward pass: keeps the cost per token current (a moving average
-        of steps big enough that the per-step overhead does not dominate)."""
-        if num_tokens < COST_SAMPLE_TOKENS or seconds <= 0:
+    def stall_bound(self, num_decoding: int) -> float | None:
+        """Seconds a step carrying prompt tokens beside ``num_decoding`` decodes should take at most:
+        max_decode_stall_ms, or (auto) stall_factor x a measured decode step of that many sequences
+        (None until one is measured: the first steps are not cut)."""
+        if self.stall_factor is None:
+            return self.stall_s
+        decode = self.decode_seconds.get(num_decoding.bit_length())
+        return None if decode is None else self.stall_factor * decode
+
+    def observe_step(self, num_tokens: int, seconds: float, num_sequences: int = 0) -> None:
+        """The engine reports each forward pass (``num_sequences``: the step's chunks): keeps the cost
+        per token current (a moving average of steps big enough that the per-step overhead does not
+        dominate), and the time of a pure decode step (one token per sequence) per batch-size class."""
+        if seconds <= 0:
+            return
+        if num_tokens == num_sequences > 0:
+            cls = num_sequences.bit_length()
+            prev = self.decode_seconds.get(cls)
+            self.decode_seconds[cls] = seconds if prev is None else prev + COST_SMOOTHING * (seconds - prev)
+        if num_tokens < COST_SAMPLE_TOKENS:
             return
         cost = seconds / num_tokens
         prev = self.seconds_per_token

@@ -37,8 +37,8 @@ def device_text(engine: Any, config: CllmConfig) -> str:
         weights, model = getattr(backend, "weights_path", None), getattr(backend, "model_path", None)
         if weights is not None and model is not None and weights != model:
             text += f", weights as a converted copy ({weights.name.split('.')[-3]})"
-        flash = getattr(backend, "flash_attn", "auto")
-        return text + ("" if flash == "auto" else f", flash attention {'on' if flash else 'off'}")
+        verdict = getattr(backend, "flash_attn_verdict", None)
+        return text + (f", flash attention {verdict.text()}" if verdict is not None else "")
     device = getattr(backend, "device", None)
     dtype = getattr(backend, "dtype", None)
     return f"{name} on {device}" + (f", {str(dtype).removeprefix('torch.')}" if dtype is not None else "")

@@ -63,7 +63,9 @@ async def engine_state(request: Request) -> dict[str, Any]:
     # the file llama.cpp runs (a converted copy under llama_cpp.weights: auto / q8_0 / f16), where known
     backend = getattr(getattr(model.engine, "engine", None), "backend", None)
     weights = getattr(backend, "weights_path", None)
+    verdict = getattr(backend, "flash_attn_verdict", None)  # what llama.cpp was given, why, and the probe's times
     return {"model": model.name, "weights": weights and str(weights), "flash_attn": getattr(backend, "flash_attn", None),
+            "flash_attn_verdict": verdict and _as_dict(verdict),
             "phase": state.phase.value, "stats": stats_dict, "running": running}
 
 

@@ -38,17 +38,19 @@ class Candidate:
 
     acceptance: float  # expected probability that its next draft token is accepted (0..1)
     limit: int  # most draft tokens it may take (proposal length, max_tokens, context)
+    context: int = 0  # tokens its drafts attend to (what a pass of its own costs depends on it)
     take: int = 0  # the plan: draft tokens it verifies
 
 
 def plan(candidates: list[Candidate], base_tokens: int, num_sampled: int, cost: StepCost, budget: int,
-         depth_seconds: float = 0.0, *, apart: bool = False) -> None:
+         depth_seconds: float = 0.0, *, apart: bool = False, context: int = 0) -> None:
     """Set each candidate's ``take``. ``base_tokens``: the step's tokens without drafts; ``num_sampled``:
     sequences that sample a token; ``budget``: most draft tokens in all; ``depth_seconds``: the extra
     cost of proposing one token deeper than any sequence so far (a draft model's decode step);
-    ``apart``: each drafting sequence runs its drafts as a pass of its own when others share the step."""
+    ``apart``: each drafting sequence runs its drafts as a pass of its own when others share the step;
+    ``context``: the step's longest context (steps are priced at it; a pass of its own at its sequence's)."""
     apart = apart and num_sampled > 1
-    seconds = cost.seconds(base_tokens)
+    seconds = cost.seconds(base_tokens, context)
     if not seconds:  # unknown (or, for an empty step, 0): explore (one sequence only where each costs a pass)
         for c in candidates[:1] if apart else candidates:
             c.take = min(c.limit, EXPLORE_TOKENS, budget)
@@ -68,10 +70,11 @@ def plan(candidates: list[Candidate], base_tokens: int, num_sampled: int, cost: 
         if j > depth:
             depth, depth_total = j, depth_total + depth_seconds
         if apart:  # its own pass grows from j - 1 to j tokens
-            passes += (cost.seconds(j) or seconds) - ((cost.seconds(j - 1) or 0.0) if j > 1 else 0.0)
+            ctx = candidates[i].context
+            passes += (cost.seconds(j, ctx) or seconds) - ((cost.seconds(j - 1, ctx) or 0.0) if j > 1 else 0.0)
             step = seconds + passes
         else:
-            step = cost.seconds(base_tokens + len(taken)) or seconds
+            step = cost.seconds(base_tokens + len(taken), context) or seconds
         rate = expected / (step + depth_total)
         if rate > best_rate:
             best_rate, best_m = rate, len(taken)

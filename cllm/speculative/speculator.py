@@ -114,8 +114,9 @@ class Speculator:
         seqs = [self._sequence(c.request) for c in chunks]
         limits = [min(limit, seq.depth) for limit, seq in zip(limits, seqs)]
         depth_seconds = self._draft.step_seconds() if self._draft is not None else 0.0
-        upper = [Candidate(seq.acceptance, limit) for seq, limit in zip(seqs, limits)]
-        plan(upper, out.num_tokens, num_sampled, self.cost, budget, depth_seconds, apart=self._apart)
+        context = step_context(out.chunks)
+        upper = [Candidate(seq.acceptance, limit, c.request.num_tokens) for c, seq, limit in zip(chunks, seqs, limits)]
+        plan(upper, out.num_tokens, num_sampled, self.cost, budget, depth_seconds, apart=self._apart, context=context)
         for seq in seqs:  # considered, drafting or not: a sequence whose drafts failed is tried again later
             seq.rest()
         if not any(c.take for c in upper):
@@ -131,8 +132,9 @@ class Speculator:
             tokens = seq.ngrams.propose(c.request.prompt_token_ids, limit, c.request.output_token_ids) if limit > 0 else []
             if tokens:
                 proposals.append((c, tokens))
-                candidates.append(Candidate(seq.acceptance, len(tokens)))
-        plan(candidates, out.num_tokens, num_sampled, self.cost, budget, depth_seconds, apart=self._apart)
+                candidates.append(Candidate(seq.acceptance, len(tokens), c.request.num_tokens))
+        plan(candidates, out.num_tokens, num_sampled, self.cost, budget, depth_seconds, apart=self._apart,
+             context=context)
         chosen = [(c, tokens[:cand.take]) for (c, tokens), cand in zip(proposals, candidates) if cand.take > 0]
         if not chosen:  # nothing to copy now: look again after a few steps (fewer for a small batch)
             self._resting[size] = min(REST_STEPS, num_sampled)
@@ -154,7 +156,7 @@ class Speculator:
         nothing of one pass's cost by its tokens, which the planner adds up per pass."""
         if self._apart and len(chunks) > 1 and any(c.draft for c in chunks):
             return
-        self.cost.observe(sum(c.num_tokens for c in chunks), seconds)
+        self.cost.observe(sum(c.num_tokens for c in chunks), seconds, step_context(chunks))
 
     def verified(self, req: Request, proposed: int, accepted: int, emitted: int) -> None:
         """The outcome of one sequence's verification: ``accepted`` of ``proposed`` kept, ``emitted`` tokens out."""
@@ -186,6 +188,11 @@ class Speculator:
     def close(self) -> None:
         if self._draft is not None:
             self._draft.close()
+
+
+def step_context(chunks: list[ScheduledChunk]) -> int:
+    """The longest context among a step's sequences, its drafts included (what its cost is priced at)."""
+    return max((c.start + c.num_tokens for c in chunks), default=0)
 
 
 def _may_speculate(req: Request) -> bool:

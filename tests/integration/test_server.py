@@ -101,6 +101,20 @@ def test_health_and_models(server: ServerProcess) -> None:
     assert server.openai().models.retrieve(models[0].id).id == models[0].id
 
 
+def test_flash_attention_verdict_in_engine_state_and_ready_block(server: ServerProcess) -> None:
+    """flash_attn: auto on a CPU: /v1/engine says what llama.cpp was given, why, and the probe's step times;
+    the ready block says it in words (which verdict depends on the CPU: the rule is tested in
+    test_llama_cpp_flash_attn.py)."""
+    state = engine_state(server)
+    verdict = state["flash_attn_verdict"]
+    assert verdict["setting"] is state["flash_attn"] and isinstance(state["flash_attn"], bool)
+    assert verdict["reason"] in ("measured", "measured before")
+    assert len(verdict["steps"]) == 6 and all(on > 0 and off > 0 for on, off in verdict["steps"].values())
+    word = "on" if verdict["setting"] else "off"
+    assert f"flash attention {word} ({verdict['reason']}: {verdict['ratio']:.2f}x the time of off over 6 serving steps)" \
+        in server.log_text()
+
+
 def test_completion(server: ServerProcess) -> None:
     resp = server.openai().completions.create(model="SmolLM2-135M-Instruct.Q4_1", prompt=PROMPT, max_tokens=12, temperature=0)
     assert resp.id.startswith("cmpl-") and resp.object == "text_completion" and resp.created > 0

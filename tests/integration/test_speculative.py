@@ -85,10 +85,10 @@ class FlatCost(StepCost):
         super().__init__()
         self.step = step
 
-    def observe(self, num_tokens: int, seconds: float) -> None:
+    def observe(self, num_tokens: int, seconds: float, context: int = 0) -> None:
         pass
 
-    def seconds(self, num_tokens: int) -> float:
+    def seconds(self, num_tokens: int, context: int = 0) -> float:
         return self.step + 1e-5 * num_tokens
 
 

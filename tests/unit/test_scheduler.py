@@ -275,7 +275,7 @@ def test_prefill_beside_decodes_is_cut_to_the_stall_bound_at_the_measured_cost()
     assert sched.seconds_per_token is not None and sched.seconds_per_token > 0
     sched.observe_step(8, 10.0)  # too small a step to count
     sched.seconds_per_token = 0.002  # 2 ms a token: a 100 ms step holds 50 tokens
-    sched.observe_step = lambda num_tokens, seconds: None  # keep it there (the fake is much faster)
+    sched.observe_step = lambda *args: None  # keep it there (the fake is much faster)
     engine.add_request([i % 60 for i in range(200)], GREEDY, request_id="late")
     engine.step()
     assert backend.batches[-1][2].count("late") == 49 and "a" in backend.batches[-1][2]  # 50 - a's decode
@@ -286,12 +286,44 @@ def test_prefill_beside_decodes_is_cut_to_the_stall_bound_at_the_measured_cost()
 
 
 def test_observe_step_averages_the_cost_per_token():
-    engine, _ = make_engine(FakeBackend(max_batch_tokens=64), max_decode_stall_ms=None)
+    engine, _ = make_engine(FakeBackend(max_batch_tokens=64), max_decode_stall_ms="off")
     sched = engine.scheduler
     sched.observe_step(100, 0.1)
     sched.observe_step(100, 0.2)
     assert sched.seconds_per_token == pytest.approx(0.001 + 0.2 * 0.001)
+    sched.observe_step(4, 0.01, num_sequences=4)  # a pure decode step: no bound with the setting off
     assert sched._prefill_while_decoding(4) == sched.prefill_chunk  # no stall bound: the chunk alone
+
+
+def test_auto_stall_bound_is_a_multiple_of_a_measured_decode_step_of_as_many_sequences():
+    engine, backend = make_engine(FakeBackend(max_batch_tokens=256))  # the default: auto, factor 3
+    sched = engine.scheduler
+    assert sched.stall_factor == 3.0 and sched.stall_bound(4) is None  # nothing measured: prompts are not cut
+    sched.seconds_per_token = 0.002
+    assert sched._prefill_while_decoding(4) == sched.prefill_chunk
+    sched.observe_step(4, 0.020, num_sequences=4)  # a decode step of 4 sequences: 20 ms
+    sched.observe_step(40, 0.5, num_sequences=2)  # a prompt chunk beside a decode: not a decode step
+    sched.observe_step(6, 0.5, num_sequences=3)  # a verification (drafts): not a decode step either
+    assert sched.decode_seconds == {3: pytest.approx(0.020)}
+    sched.seconds_per_token = 0.002
+    assert sched.stall_bound(5) == pytest.approx(0.060)  # 4..7 sequences share the class
+    assert sched._prefill_while_decoding(4) == 30 - 4  # 60 ms at 2 ms a token, less the decodes
+    assert sched.stall_bound(8) is None  # another size class is measured on its own
+    sched.observe_step(4, 0.040, num_sequences=4)  # slower now: the average follows
+    assert sched.decode_seconds[3] == pytest.approx(0.020 + 0.2 * 0.020)
+    # in the engine: two decoding sequences, then a long prompt arrives beside them
+    engine, backend = make_engine(FakeBackend(max_batch_tokens=256))
+    sched = engine.scheduler
+    for rid in "ab":
+        engine.add_request([1, 2, 3], GREEDY, request_id=rid)
+    engine.step()
+    engine.step()  # a and b decode: a pure decode step of 2, measured
+    assert 2 in sched.decode_seconds
+    sched.decode_seconds[2], sched.seconds_per_token = 0.010, 0.001  # (pinned: the fake is faster than any CPU)
+    sched.observe_step = lambda *args: None
+    engine.add_request([i % 60 for i in range(200)], GREEDY, request_id="late")
+    engine.step()
+    assert backend.batches[-1][2].count("late") == 30 - 2 and "a" in backend.batches[-1][2]
 
 
 def test_kv_pressure_preempts_the_lowest_priority_even_when_it_was_admitted_first():

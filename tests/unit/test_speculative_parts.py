@@ -17,7 +17,7 @@ import cllm
 from cllm.engine.llm_engine import LLMEngine
 from cllm.speculative.ngram import NgramIndex
 from cllm.speculative.planner import MIN_GAIN, EXPLORE_TOKENS, Candidate, plan
-from cllm.speculative.step_cost import StepCost
+from cllm.speculative.step_cost import StepCost, context_class
 from tests.unit.fakes import FakeBackend, fake_config, run_all
 
 
@@ -173,6 +173,39 @@ def test_step_cost_below_the_first_measured_count_is_never_free():
     assert 0 <= cand[0].take <= 8
 
 
+def test_step_cost_keeps_a_curve_per_context_class_and_borrows_the_nearest():
+    # Measured on the embedded model (2 threads, AVX-512 EPYC, flash attention on): 1- and 8-token steps
+    # cost 10 and 20 ms at 64 tokens of context, 11 and 43 ms at 1,024.
+    cost = StepCost()
+    for _ in range(3):
+        cost.observe(1, 0.010, context=64)
+        cost.observe(8, 0.020, context=72)
+    assert cost.seconds(8, context=1024) == pytest.approx(0.020)  # not measured there yet: the nearest class
+    for _ in range(3):
+        cost.observe(1, 0.011, context=1025)
+        cost.observe(8, 0.043, context=1032)
+    assert cost.seconds(8, context=60) == pytest.approx(0.020)
+    assert cost.seconds(8, context=1500) == pytest.approx(0.043)
+    assert cost.seconds(8, context=700) == pytest.approx(0.043)  # between the two, the nearer (512-1023: 1024-2047)
+    assert cost.seconds(8, context=5000) == pytest.approx(0.043)
+    assert [context_class(n) for n in (0, 127, 128, 255, 256, 1023, 1024)] == [0, 0, 1, 1, 2, 3, 4]
+
+
+def test_plan_prices_drafts_at_the_context_the_sequence_has():
+    """A likely draft pays at a short context and not at a long one, where each token attends to a
+    thousand more (the curves measured above)."""
+    cost = StepCost()
+    for n, short, long in [(1, 0.010, 0.011), (2, 0.0114, 0.0156), (4, 0.0143, 0.025), (8, 0.020, 0.043)]:
+        for _ in range(3):
+            cost.observe(n, short, context=64)
+            cost.observe(n, long, context=1100)
+    short = [Candidate(acceptance=0.4, limit=7, context=64)]
+    plan(short, base_tokens=1, num_sampled=1, cost=cost, budget=100, context=64)
+    long = [Candidate(acceptance=0.4, limit=7, context=1100)]
+    plan(long, base_tokens=1, num_sampled=1, cost=cost, budget=100, context=1100)
+    assert short[0].take > 0 and long[0].take == 0
+
+
 # ------------------------------------------------------------------------------------- plan
 
 def linear_cost(per_token: float, fixed: float = 0.0) -> StepCost:
@@ -283,7 +316,7 @@ def test_plan_finds_a_draft_length_that_pays_after_a_cost_jump():
     drafts runs eagerly) and is flat after it: one draft token does not pay, eight do at acceptance 0.9;
     at 0.3 none pays."""
     class Jump:
-        def seconds(self, tokens: int) -> float:
+        def seconds(self, tokens: int, context: int = 0) -> float:
             return 0.002 if tokens <= 1 else 0.006
 
     for acceptance, pays in ((0.9, True), (0.3, False)):
@@ -367,10 +400,10 @@ def test_engine_on_the_fake_output_equals_no_speculation_and_kv_is_rolled_back()
 class FlatCost(StepCost):
     """Timing that does not depend on this machine: 10 ms a step, 10 us a token."""
 
-    def observe(self, num_tokens: int, seconds: float) -> None:
+    def observe(self, num_tokens: int, seconds: float, context: int = 0) -> None:
         pass
 
-    def seconds(self, num_tokens: int) -> float:
+    def seconds(self, num_tokens: int, context: int = 0) -> float:
         return 0.010 + 1e-5 * num_tokens
 
 
@@ -431,7 +464,7 @@ def test_where_drafts_run_apart_a_multi_sequence_step_with_drafts_is_not_a_cost_
     from cllm.speculative.speculator import Speculator
 
     def chunk(num_tokens: int) -> SimpleNamespace:
-        return SimpleNamespace(num_tokens=num_tokens, draft=list(range(num_tokens - 1)))
+        return SimpleNamespace(start=100, num_tokens=num_tokens, draft=list(range(num_tokens - 1)))
 
     observed = {}
     for apart in (True, False):

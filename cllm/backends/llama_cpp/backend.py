@@ -77,9 +77,12 @@ class LlamaCppBackend(Backend):
         self._kv_bytes_per_token = self._model.kv_bytes_per_token(lc.type_k, lc.type_v)
         n_ctx, n_seq_max = kv_shape(m.n_ctx, m.n_seq_max, n_ctx_train=self._model.n_ctx_train,
                                     bytes_per_token=self._kv_bytes_per_token, available_bytes=memory)
-        # auto on a CPU: measured on this machine once (flash_attn.py); what llama.cpp was given
-        self.flash_attn = resolve_flash_attn(lc.flash_attn, model=self._model, model_path=self.weights_path,
-                                             n_threads=self._n_threads, gpu_layers=self.n_gpu_layers, type_v=lc.type_v)
+        # auto on a CPU: serving steps timed on this machine once (flash_attn.py); what llama.cpp was given, and why
+        self.flash_attn_verdict = resolve_flash_attn(
+            lc.flash_attn, model=self._model, model_path=self.weights_path, n_threads=self._n_threads,
+            gpu_layers=self.n_gpu_layers, type_k=lc.type_k, type_v=lc.type_v, n_ubatch=lc.n_ubatch,
+            kv_unified=lc.kv_unified)
+        self.flash_attn = self.flash_attn_verdict.setting
         self._ctx = LlamaContextHandle(
             model=self._model, n_ctx=n_ctx, n_batch=m.n_batch, n_ubatch=lc.n_ubatch,
             n_seq_max=n_seq_max, n_threads=self._n_threads, flash_attn=self.flash_attn, kv_unified=lc.kv_unified,
