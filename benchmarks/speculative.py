@@ -11,7 +11,9 @@ server at a time, the order of the systems alternating between rounds:
 Prompt sets (chat requests, the model's own template on both servers):
 
 - ``copy``: repeat a passage word for word;  ``extract``: copy the sentences of a document that say X;
-- ``list``: continue a list that repeats;  ``chat``: free-form questions (nothing to copy).
+- ``list``: continue a list that repeats;  ``chat``: free-form questions (nothing to copy);
+- ``code``: write a function or a query (nothing to copy);  ``long``: ~1,000 tokens of random common words
+  and a question about them: n-grams of the prompt recur everywhere, the answer follows none (issue 45).
 
 For the input-grounded sets the script reports how much of each output the model copied from its
 prompt (``copied``: the share of output tokens inside a run of >= 8 tokens found in the prompt), so a
@@ -35,6 +37,7 @@ import argparse
 import asyncio
 import json
 import os
+import random
 import statistics
 import sys
 import time
@@ -82,6 +85,26 @@ CHAT = [
     "Explain why the sky is blue to a ten year old.",
     "Give me some ideas for a birthday party for a seven year old.",
 ]
+CODE = [
+    "Write a Python function that checks whether a string is a palindrome, with a docstring and two examples.",
+    "Write a JavaScript function that debounces another function, and explain how to use it.",
+    "Write a SQL query that lists the ten customers who spent the most last year, from tables customers and orders.",
+    "Write a Python class for a simple bank account with deposit, withdraw and balance methods.",
+]
+# Words of the long prompts: a small vocabulary, so that two- and three-word n-grams recur all over a
+# ~1,000-token prompt (as in vs_llama_server.py's random-word prompts, issue 45) and prompt lookup keeps
+# finding matches that the model's answer does not follow.
+LONG_WORDS = ("the of and to in a is that for it as was with be by on not he this are or his from at which but "
+              "have an they you were her she there one all we their can has more when will would who so no time "
+              "people year city water river market school house family work system report music garden story "
+              "company street window morning village doctor letter island winter paper table").split()
+
+
+def long_prompts(n: int = 4, words: int = 980) -> list[str]:
+    """``n`` chat prompts of ``words`` seeded random words (~1,000 tokens) and a question about them."""
+    rng = random.Random(45)
+    return [" ".join(rng.choice(LONG_WORDS) for _ in range(words)) + "\n\nWhich topics do the notes above mention? "
+            "Answer in a few sentences." for _ in range(n)]
 
 
 def prompt_sets() -> dict[str, list[str]]:
@@ -98,6 +121,8 @@ def prompt_sets() -> dict[str, list[str]]:
                     f"one per line.\n\n{PASSAGES[3]}"],
         "list": [f"Continue this list exactly as it goes on:\n{items}" for items in LISTS],
         "chat": CHAT,
+        "code": CODE,
+        "long": long_prompts(),
     }
 
 
@@ -194,11 +219,13 @@ def copied_share(prompt_ids: list[int], output_ids: list[int], run: int = 8) -> 
 def run(args: argparse.Namespace) -> dict:
     binary = build_llama_server() if any(s.startswith("llama") for s in args.systems) else None
     sets = prompt_sets()
+    if args.sets:
+        sets = {name: sets[name] for name in args.sets}
     if args.quick:
         sets = {name: prompts[:2] for name, prompts in sets.items()}
     single: dict[str, dict[str, list[dict]]] = {s: {name: [] for name in sets} for s in args.systems}
     busy: dict[str, dict[int, list[float]]] = {s: {c: [] for c in args.clients} for s in args.systems if s.startswith("cllm")}
-    mixed = sets["copy"] + sets["chat"]
+    mixed = [p for name in ("copy", "chat") for p in sets.get(name, [])] or [p for ps in sets.values() for p in ps]
     drafted: dict[int, list[list[int]]] = {c: [] for c in args.clients}  # per round: [proposed, accepted]
     failures: list[str] = []
     for round_no in range(args.rounds):
@@ -206,7 +233,7 @@ def run(args: argparse.Namespace) -> dict:
         for system in order:
             server = start(system, args, binary)
             try:
-                asyncio.run(one_stream(server.url, [sets["chat"][0]], 8))  # warm-up
+                asyncio.run(one_stream(server.url, [CHAT[0]], 8))  # warm-up
                 for name, prompts in sets.items():
                     try:
                         single[system][name] += asyncio.run(one_stream(server.url, prompts, args.max_tokens))
@@ -324,7 +351,8 @@ def main() -> None:
     p.add_argument("--busy-tokens", type=int, default=96, help="max_tokens of the concurrent requests")
     p.add_argument("--busy-requests", type=int, default=4,
                    help="requests per client at each concurrency level (2 left a round's ratio +-5 %% of noise)")
-    p.add_argument("--ctx-per-slot", type=int, default=1024)
+    p.add_argument("--ctx-per-slot", type=int, default=2048, help="KV cells per slot (the long set's prompts are ~1,000 tokens)")
+    p.add_argument("--sets", nargs="+", default=None, help="prompt sets to run (default: all)")
     p.add_argument("--systems", nargs="+", default=SYSTEMS, choices=SYSTEMS)
     p.add_argument("--quick", action="store_true", help="two prompts per set")
     p.add_argument("--json", type=Path, default=None)

@@ -97,12 +97,14 @@ class SchedulerConfig(_Section):
     request_timeout_s: float | None = Field(None, gt=0, description="per-request deadline in seconds, from arrival; None = none")
     max_stop_string_chars: int = Field(256, ge=1, le=1 << 16, description="longest stop string a request may give (stop matching scans this much text per token)")
 
-    @field_validator("max_decode_stall_ms")
+    @field_validator("max_decode_stall_ms", mode="before")
     @classmethod
-    def _positive_stall(cls, value: float | str | None) -> float | str | None:
-        if isinstance(value, (int, float)) and not 0 < value <= 1e6:
+    def _positive_stall(cls, value: object) -> object:
+        if value is False or value == "off":  # (YAML and --set read a bare off as false)
+            return None
+        if isinstance(value, bool) or (isinstance(value, (int, float)) and not 0 < value <= 1e6):
             raise ValueError(f"max_decode_stall_ms={value!r}: give milliseconds in (0, 1e6], 'auto' or 'off'")
-        return None if value == "off" else value
+        return value
 
 
 class ServerConfig(_Section):

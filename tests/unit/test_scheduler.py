@@ -299,8 +299,10 @@ def test_auto_stall_bound_is_a_multiple_of_a_measured_decode_step_of_as_many_seq
     engine, backend = make_engine(FakeBackend(max_batch_tokens=256))  # the default: auto, factor 3
     sched = engine.scheduler
     assert sched.stall_factor == 3.0 and sched.stall_bound(4) is None  # nothing measured: prompts are not cut
+    assert sched._prefill_while_decoding(4) == sched.prefill_chunk  # (nor is a cost per token)
     sched.seconds_per_token = 0.002
-    assert sched._prefill_while_decoding(4) == sched.prefill_chunk
+    assert sched._prefill_while_decoding(4) == 0  # one step without prompt tokens times a decode step of 4..7
+    assert sched._prefill_while_decoding(5) == sched.prefill_chunk  # once: then the budget alone
     sched.observe_step(4, 0.020, num_sequences=4)  # a decode step of 4 sequences: 20 ms
     sched.observe_step(40, 0.5, num_sequences=2)  # a prompt chunk beside a decode: not a decode step
     sched.observe_step(6, 0.5, num_sequences=3)  # a verification (drafts): not a decode step either
@@ -324,6 +326,27 @@ def test_auto_stall_bound_is_a_multiple_of_a_measured_decode_step_of_as_many_seq
     engine.add_request([i % 60 for i in range(200)], GREEDY, request_id="late")
     engine.step()
     assert backend.batches[-1][2].count("late") == 30 - 2 and "a" in backend.batches[-1][2]
+
+
+def test_a_burst_of_long_prompts_times_a_decode_step_then_cuts_the_rest_beside_the_decodes():
+    """Prompts arriving together fill the budget while nobody decodes; the first ones done then decode,
+    and the step after carries no prompt tokens (no drafts either), so that a decode step of that size is
+    measured and the prompts still waiting are cut to the bound beside it."""
+    engine, backend = make_engine(FakeBackend(max_batch_tokens=256))
+    sched = engine.scheduler
+    for rid in "abcd":
+        engine.add_request([i % 50 + 1 for i in range(100)], GREEDY, request_id=rid)
+    engine.step()  # 256 tokens: a and b prefilled, c started
+    assert [s for _, _, s in backend.batches][-1].count("c") == 56
+    assert sched.seconds_per_token is not None and not sched.decode_seconds
+    engine.step()  # a and b decode alone: the decode step of 2 is timed
+    assert backend.batches[-1][2] == ["a", "b"] and 2 in sched.decode_seconds
+    sched.decode_seconds[2], sched.seconds_per_token = 0.010, 0.001  # (pinned: the fake is faster than any CPU)
+    sched.observe_step = lambda *args: None
+    engine.step()
+    assert backend.batches[-1][2].count("c") == 30 - 2 and "d" not in backend.batches[-1][2]
+    outs = run_all(engine)
+    assert all(len(outs[rid].outputs[0].token_ids) == 5 for rid in "abcd")
 
 
 def test_kv_pressure_preempts_the_lowest_priority_even_when_it_was_admitted_first():

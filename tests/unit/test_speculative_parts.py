@@ -490,20 +490,21 @@ def test_auto_is_ngram_on_llama_cpp_and_off_on_torch():
 
 def test_a_sequence_drafts_deeper_only_after_whole_drafts_are_accepted():
     """FIRST_DEPTH at first; a wholly accepted draft doubles the depth (up to num_speculative_tokens, and
-    at least FIRST_DEPTH again); a rejection cuts it to twice what was accepted (at least 1)."""
+    at least FIRST_DEPTH again); a rejection cuts it to twice what was accepted, at least RETRY_DEPTH (8:
+    where a step's first extra token is dear, a 1-token draft never pays, and a depth of 1 never grew again)."""
     from cllm.config import SpeculativeConfig
     from cllm.request import Request
     from cllm.speculative import speculator as sp
 
-    assert sp.FIRST_DEPTH == 12
+    assert sp.FIRST_DEPTH == 12 and sp.RETRY_DEPTH == 8
     spec = sp.Speculator(SpeculativeConfig(speculative="ngram", num_speculative_tokens=24))
     req = Request("r", [1, 2, 3], cllm.SamplingParams(max_tokens=100, temperature=0), 100)
     seq = spec._sequence(req)
     depths = [seq.depth]
-    for proposed, accepted in [(12, 12), (24, 24), (24, 3), (6, 0), (1, 1), (12, 5), (10, 10), (20, 20)]:
+    for proposed, accepted in [(12, 12), (24, 24), (24, 3), (8, 0), (2, 2), (12, 5), (10, 10), (20, 20)]:
         spec.verified(req, proposed, accepted, accepted + 1)
         depths.append(seq.depth)
-    assert depths == [12, 24, 24, 6, 1, 12, 10, 20, 24]
+    assert depths == [12, 24, 24, 8, 8, 12, 10, 20, 24]
 
 
 def test_a_new_sequence_starts_from_the_engines_recent_acceptance():
