@@ -7,7 +7,7 @@ import pytest
 
 from cllm.engine.llm_engine import LLMEngine
 from cllm.sampling.params import SamplingParams
-from cllm.scheduler.scheduler import _RefusedAdmission
+from cllm.scheduler.scheduler import AUTO_MIN_PREFILL_PER_STEP, _RefusedAdmission
 from tests.unit.fakes import EOS, FakeBackend, fake_config, run_all
 
 GREEDY = SamplingParams(max_tokens=5, temperature=0)
@@ -296,55 +296,57 @@ def test_observe_step_averages_the_cost_per_token():
 
 
 def test_auto_stall_bound_is_a_multiple_of_a_measured_decode_step_of_as_many_sequences():
-    engine, backend = make_engine(FakeBackend(max_batch_tokens=256))  # the default: auto, factor 3
+    engine, backend = make_engine(FakeBackend(max_batch_tokens=2048))  # the default: auto, factor 3
     sched = engine.scheduler
     assert sched.stall_factor == 3.0 and sched.stall_bound(4) is None  # nothing measured: prompts are not cut
     assert sched._prefill_while_decoding(4) == sched.prefill_chunk  # (nor is a cost per token)
-    sched.seconds_per_token = 0.002
+    sched.seconds_per_token = 0.001
     assert sched._prefill_while_decoding(4) == 0  # one step without prompt tokens times a decode step of 4..7
     assert sched._prefill_while_decoding(5) == sched.prefill_chunk  # once: then the budget alone
-    sched.observe_step(4, 0.020, num_sequences=4)  # a decode step of 4 sequences: 20 ms
+    sched.observe_step(4, 0.200, num_sequences=4)  # a decode step of 4 sequences: 200 ms
     sched.observe_step(40, 0.5, num_sequences=2)  # a prompt chunk beside a decode: not a decode step
     sched.observe_step(6, 0.5, num_sequences=3)  # a verification (drafts): not a decode step either
-    assert sched.decode_seconds == {3: pytest.approx(0.020)}
-    sched.seconds_per_token = 0.002
-    assert sched.stall_bound(5) == pytest.approx(0.060)  # 4..7 sequences share the class
-    assert sched._prefill_while_decoding(4) == 30 - 4  # 60 ms at 2 ms a token, less the decodes
+    assert sched.decode_seconds == {3: pytest.approx(0.200)}
+    sched.seconds_per_token = 0.001
+    assert sched.stall_bound(5) == pytest.approx(0.600)  # 4..7 sequences share the class
+    assert sched._prefill_while_decoding(4) == 600 - 4  # 600 ms at 1 ms a token, less the decodes
+    sched.seconds_per_token = 0.010
+    assert sched._prefill_while_decoding(4) == AUTO_MIN_PREFILL_PER_STEP  # never in chunks under 256 tokens
     assert sched.stall_bound(8) is None  # another size class is measured on its own
-    sched.observe_step(4, 0.040, num_sequences=4)  # slower now: the average follows
-    assert sched.decode_seconds[3] == pytest.approx(0.020 + 0.2 * 0.020)
+    sched.observe_step(4, 0.400, num_sequences=4)  # slower now: the average follows
+    assert sched.decode_seconds[3] == pytest.approx(0.200 + 0.2 * 0.200)
     # in the engine: two decoding sequences, then a long prompt arrives beside them
-    engine, backend = make_engine(FakeBackend(max_batch_tokens=256))
+    engine, backend = make_engine(FakeBackend(max_batch_tokens=2048))
     sched = engine.scheduler
     for rid in "ab":
         engine.add_request([1, 2, 3], GREEDY, request_id=rid)
     engine.step()
     engine.step()  # a and b decode: a pure decode step of 2, measured
     assert 2 in sched.decode_seconds
-    sched.decode_seconds[2], sched.seconds_per_token = 0.010, 0.001  # (pinned: the fake is faster than any CPU)
+    sched.decode_seconds[2], sched.seconds_per_token = 0.100, 0.001  # (pinned: the fake is faster than any CPU)
     sched.observe_step = lambda *args: None
-    engine.add_request([i % 60 for i in range(200)], GREEDY, request_id="late")
+    engine.add_request([i % 60 for i in range(1000)], GREEDY, request_id="late")
     engine.step()
-    assert backend.batches[-1][2].count("late") == 30 - 2 and "a" in backend.batches[-1][2]
+    assert backend.batches[-1][2].count("late") == 300 - 2 and "a" in backend.batches[-1][2]
 
 
 def test_a_burst_of_long_prompts_times_a_decode_step_then_cuts_the_rest_beside_the_decodes():
     """Prompts arriving together fill the budget while nobody decodes; the first ones done then decode,
     and the step after carries no prompt tokens (no drafts either), so that a decode step of that size is
     measured and the prompts still waiting are cut to the bound beside it."""
-    engine, backend = make_engine(FakeBackend(max_batch_tokens=256))
+    engine, backend = make_engine(FakeBackend(max_batch_tokens=2048))
     sched = engine.scheduler
     for rid in "abcd":
-        engine.add_request([i % 50 + 1 for i in range(100)], GREEDY, request_id=rid)
-    engine.step()  # 256 tokens: a and b prefilled, c started
-    assert [s for _, _, s in backend.batches][-1].count("c") == 56
+        engine.add_request([i % 50 + 1 for i in range(800)], GREEDY, request_id=rid)
+    engine.step()  # 2048 tokens: a and b prefilled, c started
+    assert [s for _, _, s in backend.batches][-1].count("c") == 448
     assert sched.seconds_per_token is not None and not sched.decode_seconds
     engine.step()  # a and b decode alone: the decode step of 2 is timed
     assert backend.batches[-1][2] == ["a", "b"] and 2 in sched.decode_seconds
-    sched.decode_seconds[2], sched.seconds_per_token = 0.010, 0.001  # (pinned: the fake is faster than any CPU)
+    sched.decode_seconds[2], sched.seconds_per_token = 0.100, 0.001  # (pinned: the fake is faster than any CPU)
     sched.observe_step = lambda *args: None
     engine.step()
-    assert backend.batches[-1][2].count("c") == 30 - 2 and "d" not in backend.batches[-1][2]
+    assert backend.batches[-1][2].count("c") == 300 - 2 and "d" not in backend.batches[-1][2]
     outs = run_all(engine)
     assert all(len(outs[rid].outputs[0].token_ids) == 5 for rid in "abcd")
 

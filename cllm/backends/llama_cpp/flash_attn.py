@@ -38,6 +38,7 @@ import llama_cpp as C
 from cllm.backends.llama_cpp.native import LlamaBatchBuffer, LlamaContextHandle, LlamaModelHandle
 from cllm.machine import cpu_model
 from cllm.model_path import cache_root, file_fingerprint
+from cllm.progress import phase
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +52,7 @@ ROUNDS = 3  # alternations of the two settings; each times every step a few time
 REPEATS = 3  # timings of a step per round (median); a prefill chunk is timed once a round
 MARGIN = 0.05  # flash attention is turned off only when the mean ratio says more than this much slower
 UNQUANTISED = ("f32", "f16", "bf16")
+PROBE_ESTIMATE_S = 20  # the embedded model on 2 cores: 15-25 s (most of it the long contexts and prefill chunks)
 
 
 @dataclass(slots=True)
@@ -110,7 +112,9 @@ def resolve_flash_attn(setting: bool | str, *, model: LlamaModelHandle, model_pa
         return kept
     started = time.perf_counter()
     try:
-        steps = measure(model, n_threads, shape)
+        with phase("timing llama.cpp's flash attention on six serving steps (once per machine and model; "
+                   "llama_cpp.flash_attn=true or false skips it)", estimate_s=PROBE_ESTIMATE_S):
+            steps = measure(model, n_threads, shape)
     except RuntimeError as exc:  # (a context that cannot be made, a failed decode): start as llama.cpp would
         log.warning("flash_attn auto: the probe failed (%s); llama.cpp's own auto decides, nothing kept", exc)
         return FlashAttnVerdict(setting, f"probe failed: {exc}")
