@@ -545,3 +545,25 @@ def test_a_failed_start_does_not_keep_every_later_sequence_from_drafting():
     priors = [spec._sequence(request(i)).prior for i in range(2, 12)]  # ten requests that draft nothing
     assert priors == sorted(priors) and priors[-1] > 0.4
     assert priors[-1] < sp.FIRST_PRIOR  # the failure still counts a little
+
+
+def test_the_step_that_times_a_decode_for_the_stall_bound_carries_no_drafts():
+    """With max_decode_stall_ms: auto, the step kept prompt-free to time a decode step of a new size class
+    must be a pure decode: drafts there would make it a verification, leave the class unmeasured, and
+    keep prompts out step after step. The steps before and after it draft as usual."""
+    engine = fake_engine(speculative="ngram", max_num_batched_tokens=64)
+    engine.speculator.cost = FlatCost()
+    sched = engine.scheduler
+    copying = list(range(40)) + list(range(10))  # a prompt whose continuation the n-gram index knows
+    params = cllm.SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    engine.add_request(copying, params, request_id="a")
+    engine.step()  # a's prompt (a 50-token step: the cost per token is measured)
+    assert sched.seconds_per_token is not None and not sched.decode_seconds
+    engine.add_request([i % 7 + 1 for i in range(60)], params, request_id="late")
+    engine.step()  # a decodes, a prompt waits, no decode step of 1 measured: the probe step
+    flat, _, seqs = engine.backend.batches[-1]
+    assert seqs == ["a"] and len(flat) == 1  # no prompt tokens, no draft tokens
+    assert 1 in sched.decode_seconds
+    outs = run_all(engine)
+    assert outs["a"].outputs[0].token_ids == list(range(10, 40))
+    assert engine.speculator.stats.accepted_tokens > 0  # a drafted in the other steps
