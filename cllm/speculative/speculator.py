@@ -45,7 +45,8 @@ FIRST_DEPTH = 12  # and, after a wholly accepted draft, at least this deep again
 # never paid, so the plan took nothing, the depth only grows after an accepted draft, and a copying
 # sequence whose draft was cut once (a changed word) never drafted again: 4 verifications in 70 tokens.
 # In-process A/B on the copy set (2 rounds x 4 prompts, medians, noisy by ~10 %): floor 1: 1.38x of no
-# speculation, 4: 1.44x, 8: 1.70x, 12: 1.50x; code 0.99x and chat 1.00x with 12. The planner still prices
+# speculation, 4: 1.44x, 8: 1.70x, 12: 1.50x; code 0.99x, chat 1.00x with 12 (served, with 8: code 0.98x,
+# chat 1.17x, benchmarks/results/speculative_epyc_avx512_2026-11-27). The planner still prices
 # every token by the sequence's acceptance, so on free text a deeper limit is taken only where it pays.
 RETRY_DEPTH = 8
 

@@ -30,6 +30,7 @@ import math
 import os
 import statistics
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -65,7 +66,7 @@ class FlashAttnVerdict:
     steps: dict[str, list[float]] = field(default_factory=dict)  # step -> [ms with, ms without]
 
     def text(self) -> str:
-        """'on (measured here: 0.81x the time of off over 6 serving steps)' and the like."""
+        """'on (measured: 0.80x the time of off over 6 serving steps)' and the like."""
         state = {True: "on", False: "off"}.get(self.setting, "llama.cpp's auto")  # type: ignore[arg-type]
         if self.ratio is None:
             return f"{state} ({self.reason})"
@@ -83,7 +84,7 @@ class ProbeShape:
 
     @property
     def seq_cells(self) -> int:
-        return self.long_context + 256  # room for the long context and the steps after it
+        return seq_cells(self.long_context)
 
     @property
     def n_seqs(self) -> int:
@@ -137,7 +138,7 @@ def probe_shape(model: LlamaModelHandle, *, n_ubatch: int, kv_unified: bool, typ
     """The probe's contexts for this model: the long context within half its trained context, and as
     many batched sequences as PROBE_KV_BYTES holds (2 at least)."""
     long_context = min(LONG_CONTEXT, max(SHORT_CONTEXT * 2, (model.n_ctx_train or 2 * LONG_CONTEXT) // 2))
-    per_seq = (long_context + 256) * model.kv_bytes_per_token(type_k, type_v)
+    per_seq = seq_cells(long_context) * model.kv_bytes_per_token(type_k, type_v)
     batch = max(2, min(BATCH, int(PROBE_KV_BYTES // max(2 * per_seq, 1))))
     return ProbeShape(batch, long_context, min(n_ubatch, 512), kv_unified)
 
@@ -208,11 +209,17 @@ def _timed_step(ctx: LlamaContextHandle, batch: LlamaBatchBuffer, seqs: range, c
     return statistics.median(samples)
 
 
+def seq_cells(long_context: int) -> int:
+    """KV cells a probe sequence gets: the long context and room for the steps after it."""
+    return long_context + 256
+
+
 def _token(ctx: LlamaContextHandle, i: int) -> int:
     return (7919 * i + 11) % ctx.n_vocab
 
 
-def _decode(ctx: LlamaContextHandle, batch: LlamaBatchBuffer, tokens: list[int], seqs: list[int], positions) -> None:
+def _decode(ctx: LlamaContextHandle, batch: LlamaBatchBuffer, tokens: list[int], seqs: list[int],
+            positions: Sequence[int]) -> None:
     n = len(tokens)
     last_of_seq = [i for i in range(n) if i == n - 1 or seqs[i + 1] != seqs[i]]
     batch.fill(tokens, positions, seqs, last_of_seq)
