@@ -15,12 +15,27 @@ def _engine(overlap: bool) -> cllm.LLM:
     return cllm.LLM(backend=backend, config=fake_config())
 
 
-def _streamed(engine, prompts, params) -> tuple[dict[str, RequestOutput], dict, dict]:
+def _batches_at_detokenize(backend: FakeBackend) -> list[int]:
+    """How many forward passes had run each time a token's text was made: deferred text work is done
+    during the next step's forward, so a token of pass k is detokenised once pass k + 1 has run."""
+    seen: list[int] = []
+    token_bytes = backend.tokenizer.token_bytes
+
+    def recording(token_id: int) -> bytes:
+        seen.append(len(backend.batches))
+        return token_bytes(token_id)
+
+    backend.tokenizer.token_bytes = recording  # (an instance attribute shadows the method)
+    return seen
+
+
+def _streamed(engine, prompts, params) -> tuple[dict[str, RequestOutput], dict, dict, dict]:
     ids = [engine.add_request(p, params, request_id=f"r{i}") for i, p in enumerate(prompts)]
     texts: dict[tuple[str, int], list[str]] = {}
     tokens: dict[tuple[str, int], list[int]] = {}
+    arrivals: dict[tuple[str, int], list[int]] = {}  # the step that returned each token
     final = {}
-    for _ in range(1000):
+    for step in range(1000):
         if not engine.has_unfinished():
             break
         for out in engine.step():
@@ -28,9 +43,10 @@ def _streamed(engine, prompts, params) -> tuple[dict[str, RequestOutput], dict, 
             for o in out.outputs:
                 texts.setdefault((out.request_id, o.index), []).append(o.text_delta)
                 tokens.setdefault((out.request_id, o.index), []).extend(o.token_ids_delta)
+                arrivals.setdefault((out.request_id, o.index), []).extend([step] * len(o.token_ids_delta))
             if out.finished:
                 final[out.request_id] = out
-    return final, texts, tokens
+    return final, texts, tokens, arrivals
 
 
 def test_deferred_text_gives_the_same_outputs() -> None:
@@ -40,9 +56,12 @@ def test_deferred_text_gives_the_same_outputs() -> None:
              cllm.SamplingParams(max_tokens=6, temperature=0.8, seed=3, n=2, logprobs=2)]
     for params in cases:
         plain, deferred = _engine(False), _engine(True)
-        a, ta, ka = _streamed(plain.engine, prompts, params)
-        b, tb, kb = _streamed(deferred.engine, prompts, params)
+        a, ta, ka, when_a = _streamed(plain.engine, prompts, params)
+        b, tb, kb, when_b = _streamed(deferred.engine, prompts, params)
         assert sorted(a) == sorted(b)
+        # Deferred: each token comes one step after the plain engine's; with stop strings, never deferred.
+        lag = 0 if params.stop else 1
+        assert when_b == {k: [s + lag for s in steps] for k, steps in when_a.items()}
         for rid in a:
             for x, y in zip(a[rid].outputs, b[rid].outputs):
                 assert (x.text, x.token_ids, x.finish_reason, x.stop_reason) == (y.text, y.token_ids, y.finish_reason, y.stop_reason)
@@ -59,8 +78,11 @@ def test_deferred_text_still_aborts_and_streams_through_asyncllm() -> None:
         engine = cllm.AsyncLLM(backend=backend, config=fake_config())
         try:
             text = ""
+            passes = _batches_at_detokenize(backend)
             async for out in engine.generate([1, 2], cllm.SamplingParams(max_tokens=12, temperature=0)):
                 text += out.outputs[0].text_delta
+            # The text of pass k's token was made while pass k + 1 ran; the last one's in the idle step after.
+            assert passes == [*range(2, 13), 12]
             seen = 0
             async for out in engine.generate([3], cllm.SamplingParams(max_tokens=500, temperature=0)):
                 seen += len(out.outputs[0].token_ids_delta)
@@ -81,6 +103,8 @@ def test_deferred_text_still_aborts_and_streams_through_asyncllm() -> None:
 
 def test_run_all_on_deferred_engine_finishes() -> None:
     llm = _engine(True)
+    passes = _batches_at_detokenize(llm.engine.backend)
     llm.engine.add_request([1], cllm.SamplingParams(max_tokens=3, temperature=0))
     final = run_all(llm.engine)
     assert [o.outputs[0].token_ids for o in final.values()] == [[2, 3, 4]]
+    assert passes == [2, 3, 3]  # each token's text made during the next pass (the last: in the step after)
