@@ -32,6 +32,7 @@ import gc
 import json
 import multiprocessing as mp
 import os
+import shlex
 import shutil
 import socket
 import statistics
@@ -292,6 +293,9 @@ def main() -> None:
     p.add_argument("--raw-steps", type=int, default=64)
     p.add_argument("--client-procs", type=int, default=8)
     p.add_argument("--serve-args", nargs="*", default=[], help="extra `cllm serve` flags (default: none, its defaults)")
+    p.add_argument("--also-serve-args", default=None, metavar="'FLAGS'",
+                   help="then a second server with these `cllm serve` flags added (one quoted string), reported after "
+                        "the first: e.g. --also-serve-args '--set max_decode_stall_ms=off' against the default auto bound")
     p.add_argument("--skip", nargs="*", default=[], choices=["engine"], help="parts to leave out")
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--smoke", action="store_true", help="CPU, a 2-layer model, 1/4/8 streams: checks the script")
@@ -329,10 +333,19 @@ def main() -> None:
                 shutil.copy(log, Path(os.environ["OUT"]) / "gpu_serve_server.log")
         print(f"server done ({time.perf_counter() - started:.0f} s)", flush=True)
         print(report(raw, engine, server))
+        also = None
+        if args.also_serve_args is not None:
+            args.serve_args = [*args.serve_args, *shlex.split(args.also_serve_args)]
+            also = serve(model_dir, args)
+            print(f"second server ({args.also_serve_args}) done ({time.perf_counter() - started:.0f} s)")
+            print(report(raw, engine, also))
         if args.json:
             args.json.write_text(json.dumps({"raw": {str(k): v for k, v in raw.items()},
                                              "engine": {str(k): v for k, v in engine.items()},
-                                             "server": {str(k): v for k, v in server.items()}}, indent=1))
+                                             "server": {str(k): v for k, v in server.items()},
+                                             "also_serve_args": args.also_serve_args,
+                                             "also_server": {str(k): v for k, v in also.items()} if also else None},
+                                            indent=1))
     print(f"total {time.perf_counter() - started:.0f} s")
 
 
