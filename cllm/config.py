@@ -30,7 +30,7 @@ class ModelConfig(_Section):
     backend: str = Field("llama_cpp", description="registered backend name (see `cllm backends`)")
     n_ctx: int | None = Field(None, ge=64, le=1 << 22, description="KV cache size in tokens for all sequences together; llama_cpp gives each sequence n_ctx/n_seq_max of it (unless kv_unified), capped by the model's trained context; None = chosen at run time: llama_cpp n_seq_max x 2048 (cllm/backends/llama_cpp/sizing.py), torch 16384")
     n_seq_max: int | None = Field(None, ge=1, le=256, description="sequences that can hold KV at once (llama.cpp seq_id pool size); None = chosen at run time: llama_cpp as many 2048-token sequences as fit in 1/8 of the available memory, at most 64 (cllm/backends/llama_cpp/sizing.py), torch 8")
-    n_threads: int | None = Field(None, ge=1, le=1024, description="CPU threads for inference; None = chosen at run time: llama_cpp uses one per physical core this process may run on (SMT siblings once, as llama.cpp's own default), torch all usable cores")
+    n_threads: int | None = Field(None, ge=1, le=1024, description="CPU threads for inference; None = chosen at run time: llama_cpp uses one per physical core this process may run on (SMT siblings once, as llama.cpp's own default), at most what a cgroup CPU quota pays for (rounded down), fewer while other processes take the CPU (llama_cpp.adapt_threads); torch all usable cores")
     n_batch: int = Field(2048, ge=1, le=1 << 16, description="most tokens evaluated in one forward call (llama.cpp splits it into n_ubatch micro-batches); 2048 as llama-server, so a burst of prompts is prefilled in one step while nobody decodes")
     seed: int = Field(0, description="default sampling seed for requests that give none")
 
@@ -49,6 +49,7 @@ class LlamaCppConfig(_Section):
     type_k: KvCacheType = Field("f16", description="KV cache element type of keys (llama-server --cache-type-k): f32, f16, bf16, q8_0, q4_0, q4_1, iq4_nl, q5_0, q5_1")
     type_v: KvCacheType = Field("f16", description="KV cache element type of values; a quantized type (q*/iq*) needs flash_attn: true")
     offload_kqv: bool = Field(True, description="keep the KV cache and attention on the GPU with the offloaded layers (false: in host memory)")
+    adapt_threads: Literal["auto", "off"] = Field("auto", description="auto = while other processes take CPU time, decode with fewer threads than model.n_threads' default and come back up when they stop (ggml's threads spin-wait for each other, so one thread the OS takes away stalls every step; step times are measured per thread count: cllm/backends/llama_cpp/thread_governor.py); only when n_threads is left unset and no layer is on a GPU; off = always the default count")
 
     @model_validator(mode="after")
     def _quantized_v_needs_flash(self) -> LlamaCppConfig:
