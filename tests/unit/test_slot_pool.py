@@ -2,41 +2,64 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
+from cllm.backends.llama_cpp import slot_pool
 from cllm.backends.llama_cpp.slot_pool import SeqSlotPool, common_prefix_len
 
 
-def test_acquire_release_is_exclusive_under_threads():
-    pool = SeqSlotPool(size=4)
+class _SlowOwnerSlot(slot_pool.Slot):
+    """A slot whose ``owner`` takes a moment to read: a check-then-set in the pool that is not under
+    its lock then lets another thread in between, every time rather than once in a while."""
+
+    @property
+    def owner(self) -> str | None:
+        value = self.__dict__.get("_owner")
+        time.sleep(0.0005)
+        return value
+
+    @owner.setter
+    def owner(self, value: str | None) -> None:
+        self.__dict__["_owner"] = value
+
+
+def test_acquire_release_is_exclusive_under_threads(monkeypatch):
+    monkeypatch.setattr(slot_pool, "Slot", _SlowOwnerSlot)
+    pool = SeqSlotPool(size=2)
     errors: list[str] = []
     holders: dict[int, str] = {}
     guard = threading.Lock()
+    start = threading.Barrier(6)
+    slots = pool.idle()
 
     def worker(t: int) -> None:
-        for i in range(300):
+        start.wait()
+        for i in range(40):
             rid = f"t{t}-{i}"
-            with pool.lock:
-                idle = pool.idle()
-                if not idle:
-                    continue
-                slot = pool.acquire(rid, idle[0])
+            try:  # (no lock held here: acquire alone must refuse a slot that another thread holds)
+                slot = pool.acquire(rid, slots[i % 2])
+            except ValueError:
+                continue  # another thread took it first: the refusal is the exclusivity
             with guard:
                 if slot.seq_id in holders:
                     errors.append(f"seq {slot.seq_id} held by {holders[slot.seq_id]} and {rid}")
                 holders[slot.seq_id] = rid
+            time.sleep(0.001)  # use the slot a while, so that a second holder shows up meanwhile
             with guard:
-                holders.pop(slot.seq_id)
-            pool.release(rid)
+                holders.pop(slot.seq_id, None)
+            if pool.release(rid) is not slot:
+                errors.append(f"{rid} released, but not from seq {slot.seq_id}")
 
-    threads = [threading.Thread(target=worker, args=(t,)) for t in range(8)]
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(6)]
     for th in threads:
         th.start()
     for th in threads:
         th.join()
-    assert not errors
-    assert pool.num_in_use() == 0 and len(pool.idle()) == 4
+    assert not errors, errors[:3]
+    assert pool.num_in_use() == 0 and len(pool.idle()) == 2
+    assert all(s.owner is None for s in pool.idle())
 
 
 def test_double_acquire_and_foreign_slot_rejected():
