@@ -149,12 +149,27 @@ def test_a_compile_past_its_budget_fails_fast_and_finishes_in_the_background():
 def test_busy_compile_threads_are_a_retryable_error_not_a_hang():
     cache = GrammarCache(ByteVocab(), 4, ConstraintLimits(compile_timeout_s=0.2, compile_threads=1))
     _slow(cache, 1.0)
-    first = threading.Thread(target=lambda: pytest.raises(CompileTimeoutError, cache.get, SamplingParams(regex="a+")))
-    first.start()
-    time.sleep(0.05)
-    with pytest.raises(CompileBusyError, match="busy"):
+    compiling = threading.Event()
+    slow_compile = cache._compile
+
+    def signalling(key, params):
+        compiling.set()
+        return slow_compile(key, params)
+    cache._compile = signalling
+    first: list[BaseException | object] = []
+
+    def first_request() -> None:
+        try:
+            first.append(cache.get(SamplingParams(regex="a+")))
+        except BaseException as err:  # (an exception in a thread is only a warning: the test reads it here)
+            first.append(err)
+    thread = threading.Thread(target=first_request)
+    thread.start()
+    assert compiling.wait(10), "the first compile never started"
+    with pytest.raises(CompileBusyError, match="busy"):  # the only compile thread is taken
         cache.get(SamplingParams(regex="b+"))
-    first.join()
+    thread.join(10)
+    assert len(first) == 1 and isinstance(first[0], CompileTimeoutError), first
     cache.close()
 
 
