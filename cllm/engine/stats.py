@@ -27,6 +27,8 @@ class EngineStats:
     spec_accepted_tokens: int = 0  # of those, kept
     spec_verify_steps: int = 0  # sequence-steps that verified drafts
     spec_emitted_tokens: int = 0  # tokens those sequence-steps produced (accepted drafts + the model's own next)
+    compute_threads: int | None = None  # llama.cpp: threads llama_decode computes with now (None: other backends)
+    compute_threads_lowered: int = 0  # llama.cpp: times other processes' CPU use made the thread governor take one away
 
     @property
     def prefix_cache_hit_rate(self) -> float:

@@ -48,6 +48,8 @@ class EngineStatsCollector(Collector):
             "cllm_spec_decode_acceptance_rate": ("Speculative decoding: accepted / proposed draft tokens", s.spec_acceptance_rate),
             "cllm_spec_decode_tokens_per_verify": ("Speculative decoding: tokens per verifying sequence-step", s.spec_tokens_per_verify),
         }
+        if s.compute_threads is not None:  # llama.cpp only
+            gauges["cllm_compute_threads"] = ("Threads llama_decode computes with now (fewer while other processes take the CPU)", s.compute_threads)
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(name, doc, value=float(value))
         counters = {
@@ -59,6 +61,7 @@ class EngineStatsCollector(Collector):
             "cllm_spec_decode_num_accepted_tokens": ("Speculative decoding: draft tokens accepted", s.spec_accepted_tokens),
             "cllm_spec_decode_num_verify_steps": ("Speculative decoding: sequence-steps that verified drafts", s.spec_verify_steps),
             "cllm_spec_decode_num_emitted_tokens": ("Speculative decoding: tokens those steps produced", s.spec_emitted_tokens),
+            "cllm_compute_threads_lowered": ("Times the llama.cpp thread governor took a thread away (CPU contention)", s.compute_threads_lowered),
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(name, doc, value=float(value))

@@ -20,6 +20,7 @@ Design decisions a reader would otherwise rediscover:
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Sequence
 
 import numpy as np
@@ -32,6 +33,7 @@ from cllm.backends.llama_cpp.offload import kv_cache_type, resolve_gpu_layers
 from cllm.backends.llama_cpp.prompt_cache import PromptCache, SavedPrompt
 from cllm.backends.llama_cpp.sizing import available_memory, kv_shape, prompt_cache_bytes
 from cllm.backends.llama_cpp.slot_pool import SeqSlotPool, Slot
+from cllm.backends.llama_cpp.thread_governor import ThreadGovernor, work_class
 from cllm.backends.llama_cpp.threads import default_n_threads
 from cllm.backends.llama_cpp.tokenizer import LlamaCppTokenizer
 from cllm.backends.llama_cpp.weights import prepare_weights
@@ -89,6 +91,12 @@ class LlamaCppBackend(Backend):
             type_k=kv_cache_type(lc.type_k), type_v=kv_cache_type(lc.type_v), offload_kqv=lc.offload_kqv,
         )
         self._batch = LlamaBatchBuffer(capacity=m.n_batch)
+        # Fewer threads while other processes take the CPU (thread_governor.py); a count the user chose is
+        # kept, and with layers on a GPU the CPU threads matter little.
+        adapt = lc.adapt_threads == "auto" and m.n_threads is None and not self.n_gpu_layers and self._n_threads > 1
+        self.thread_governor = ThreadGovernor(top=self._n_threads) if adapt else None
+        self._threads_now = self._n_threads
+        self._step_clock = time.perf_counter  # what decodes are timed with (tests script it)
         self._tokenizer = LlamaCppTokenizer(model=self._model)
         self._pool = SeqSlotPool(size=n_seq_max)
         self._prefix_cache = lc.prefix_cache
@@ -331,7 +339,7 @@ class LlamaCppBackend(Backend):
         flagged = sorted(set(rows))
         self._batch.fill([flat_ids[i] for i in order], [positions[i] for i in order], [seq_ids[i] for i in order],
                          flagged)
-        rc = self._run_decode()
+        rc = self._governed_decode(n, max(positions))
         if rc == DECODE_NO_KV_SLOT:
             raise KVCacheFullError("llama_decode found no KV slot for the batch", list(slots))
         if rc != DECODE_OK:
@@ -365,6 +373,26 @@ class LlamaCppBackend(Backend):
                 slots[sid] = self._owned(sid)
             last_row[sid] = i
         return slots, last_row
+
+    @property
+    def compute_threads(self) -> int:
+        """The threads llama_decode runs with now (below n_threads while the governor has taken some away)."""
+        return self._threads_now
+
+    def _governed_decode(self, n_tokens: int, max_position: int) -> int:
+        """_run_decode with the thread count the governor chooses, timed for it (failed decodes are not)."""
+        governor = self.thread_governor
+        if governor is None:
+            return self._run_decode()
+        threads = governor.threads_for_step()
+        if threads != self._threads_now:
+            self._ctx.set_n_threads(threads)
+            self._threads_now = threads
+        start = self._step_clock()
+        rc = self._run_decode()
+        if rc == DECODE_OK:
+            governor.observe(work_class(n_tokens, max_position), self._step_clock() - start)
+        return rc
 
     def _run_decode(self) -> int:
         """One llama_decode of the filled batch; a subclass may wrap it (fault injection in tests)."""

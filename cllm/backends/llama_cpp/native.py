@@ -179,6 +179,15 @@ class LlamaContextHandle:
         """llama_decode; returns its code (0 ok, 1 no KV slot, other = error)."""
         return C.llama_decode(self.ptr, batch.struct)
 
+    @property
+    def n_threads(self) -> int:
+        """The threads llama_decode computes with now (llama_n_threads)."""
+        return C.llama_n_threads(self.ptr)
+
+    def set_n_threads(self, n_threads: int) -> None:
+        """Compute the next decodes, single tokens and batches alike, with ``n_threads`` threads."""
+        C.llama_set_n_threads(self.ptr, n_threads, n_threads)
+
     def output_logits(self, n_outputs: int) -> np.ndarray:
         """All rows of the last decode's outputs, in batch order: a view into llama.cpp's buffer (no copy)."""
         ptr = C.llama_get_logits(self.ptr)

@@ -69,6 +69,7 @@ class ThreadGovernor:
     settings: GovernorSettings = field(default_factory=GovernorSettings)
     current: int = 0  # the count steps run with (0: top, set in __post_init__)
     changes: int = 0  # times ``current`` changed
+    lowered: int = 0  # of those, times it went down
     reason: str = "start"  # why ``current`` is what it is (for /v1/engine)
     _costs: dict[tuple[int, int], dict[int, _Cost]] = field(default_factory=dict)  # work -> threads -> cost
     _slow_run: int = 0  # slow steps in a row at ``current``
@@ -151,6 +152,7 @@ class ThreadGovernor:
                 self._down_every = min(s.explore_every_max, self._down_every * 2)
 
     def _move(self, threads: int, reason: str) -> None:
+        self.lowered += threads < self.current
         self.current = threads
         self.changes += 1
         self.reason = reason

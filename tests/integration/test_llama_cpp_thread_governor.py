@@ -1,0 +1,67 @@
+"""The thread governor on the real model: scripted step times change the context's real thread count."""
+from __future__ import annotations
+
+import llama_cpp as C
+import pytest
+
+import cllm
+import cllm.backends.llama_cpp.backend as backend_module
+
+QUIET = {2: 0.010, 1: 0.018}
+BUSY = {2: 0.250, 1: 0.019}
+
+
+class ScriptedClock:
+    """perf_counter for the backend's step timing: each decode takes what ``times`` says for its thread count."""
+
+    def __init__(self, backend) -> None:
+        self.backend, self.times, self.now, self.calls = backend, QUIET, 0.0, 0
+
+    def __call__(self) -> float:
+        self.calls += 1
+        if self.calls % 2 == 0:  # the end of a decode: its scripted duration has passed
+            self.now += self.times[self.backend.compute_threads]
+        return self.now
+
+
+@pytest.fixture()
+def llm(monkeypatch):
+    monkeypatch.setattr(backend_module, "default_n_threads", lambda: 2)  # 2 threads whatever this machine has
+    with cllm.LLM(n_seq_max=2) as llm:
+        yield llm
+
+
+def _generate(llm, tokens: int) -> None:
+    out = llm.generate(["Once upon a time"], cllm.SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == tokens
+
+
+def test_contention_lowers_the_contexts_threads_and_quiet_brings_them_back(llm):
+    backend = llm.engine.backend
+    ctx = backend._ctx.ptr
+    clock = backend._step_clock = ScriptedClock(backend)
+    assert backend.thread_governor is not None and C.llama_n_threads(ctx) == 2
+    _generate(llm, 12)
+    assert C.llama_n_threads(ctx) == 2 and llm.stats().compute_threads == 2
+    clock.times = BUSY
+    _generate(llm, 12)
+    assert backend.thread_governor.current == 1
+    assert C.llama_n_threads(ctx) == 1 and C.llama_n_threads_batch(ctx) == 1
+    stats = llm.stats()
+    assert stats.compute_threads == 1 and stats.compute_threads_lowered == 1
+    clock.times = QUIET
+    _generate(llm, 80)  # the next probe of 2 threads (after 16 or 32 steps) wins
+    assert backend.thread_governor.current == 2 and C.llama_n_threads(ctx) == 2
+    assert llm.stats().compute_threads_lowered == 1
+
+
+@pytest.mark.parametrize("settings", [{"n_threads": 2}, {"adapt_threads": "off"}])
+def test_a_chosen_thread_count_or_adapt_off_is_kept(monkeypatch, settings):
+    monkeypatch.setattr(backend_module, "default_n_threads", lambda: 2)
+    with cllm.LLM(n_seq_max=2, **settings) as llm:
+        backend = llm.engine.backend
+        assert backend.thread_governor is None
+        backend._step_clock = ScriptedClock(backend)
+        backend._step_clock.times = BUSY
+        _generate(llm, 12)
+        assert C.llama_n_threads(backend._ctx.ptr) == 2 and llm.stats().compute_threads == 2
