@@ -552,7 +552,7 @@ class LLMEngine:
             kv_usage=backend.kv_usage(), prefix_cache_queried_tokens=queried, prefix_cache_hit_tokens=hits,
             prompt_tokens_total=self._prompt_tokens, generation_tokens_total=self._generated_tokens,
             num_preemptions=sched.num_preemptions, tokens_per_s=self._rate.rate(),
-            requests_finished=dict(self._finished_counts), **self._speculation_stats(),
+            requests_finished=dict(self._finished_counts), **self._speculation_stats(), **_thread_stats(backend),
         )
 
     def _speculation_stats(self) -> dict[str, int]:
@@ -600,3 +600,12 @@ def _valid_text(text: str, name: str) -> str:
         raise ValueError(f"{name} contains an unpaired surrogate {text[err.start]!r} at index {err.start}: "
                          "send valid Unicode text") from None
     return text
+
+
+def _thread_stats(backend: Backend) -> dict[str, int]:
+    """llama.cpp's compute threads now and how often its governor lowered them (for /v1/engine, /metrics)."""
+    threads = getattr(backend, "compute_threads", None)
+    if threads is None:
+        return {}
+    governor = getattr(backend, "thread_governor", None)
+    return {"compute_threads": threads, "compute_threads_lowered": governor.lowered if governor is not None else 0}
