@@ -137,6 +137,12 @@ class GenerationStream:
             stall_timeout_s = getattr(server, "stream_stall_timeout_s", DEFAULT_STALL_TIMEOUT_S)
         self._stall_timeout_s = stall_timeout_s
         self._taken_at = time.monotonic()  # the reader last took an output (or the stream began)
+        # When the oldest item still in the queue was put there (a put into an empty queue): a reader
+        # waiting in next_output takes it at once, so only output left this long in a queue whose
+        # reader also took nothing this long is a stall. The time since the last take alone made a
+        # collector that waited long for its first outputs "stalled" (issue 46 item 2: a non-streamed
+        # request of several prompts got a 408 when the second prompt's output found the first's queued).
+        self._waiting_since = self._taken_at
         self.stalled = False  # the reader stalled and the requests were aborted
         self._pending: list[_Item] = []
         self._remaining = len(prompts)  # engine streams not ended yet
@@ -170,18 +176,23 @@ class GenerationStream:
                 async for out in stream:
                     now = time.monotonic()
                     self._last_item_at = now
-                    if self._queue and now - self._taken_at > self._stall_timeout_s:
+                    if self._queue and now - max(self._taken_at, self._waiting_since) > self._stall_timeout_s:
                         raise StreamStalledError(
                             f"the client read nothing for {self._stall_timeout_s:g} s (stream_stall_timeout_s) while "
                             "output waited: request aborted")
-                    self._queue.put((index, out, None))
+                    self._put((index, out, None))
         except StreamStalledError as exc:  # the engine stream is closed (aborted) by now: end the others too
             self._on_stall(index, exc)
             return
         except Exception as exc:  # handed to the consumer, which decides the response
-            self._queue.put((index, None, exc))
+            self._put((index, None, exc))
             return
-        self._queue.put((index, None, None))
+        self._put((index, None, None))
+
+    def _put(self, item: Any) -> None:
+        if self._queue.empty():
+            self._waiting_since = time.monotonic()
+        self._queue.put(item)
 
     def _on_stall(self, index: int, exc: StreamStalledError) -> None:
         if not self.stalled:
@@ -190,7 +201,7 @@ class GenerationStream:
             for i, task in enumerate(self._tasks):
                 if i != index:
                     task.cancel()  # closes (aborts) the other prompts' engine streams
-        self._queue.put((index, None, APIError(408, str(exc), code="stream_stalled")))
+        self._put((index, None, APIError(408, str(exc), code="stream_stalled")))
 
     async def start(self) -> None:
         """Wait until the engine queued every prompt, or its first output or error came (issue 9 defect 15).
@@ -258,7 +269,7 @@ class GenerationStream:
             return  # an output is waiting to be taken; next_output re-arms when it waits again
         idle = time.monotonic() - self._last_item_at
         if idle >= timeout:
-            self._queue.put(_QUIET)
+            self._put(_QUIET)
         else:  # an output came and was taken meanwhile: wait out the rest of the period from it
             self._quiet_timer = asyncio.get_running_loop().call_later(timeout - idle, self._on_quiet, timeout)
 
