@@ -22,10 +22,10 @@ import pytest
 
 from tests.integration.conftest_server import API_KEY, ServerProcess, _finish, start_server
 
-webdriver = pytest.importorskip("selenium.webdriver", reason="selenium (the test extra) is not installed")
-from selenium.webdriver.chrome.service import Service  # noqa: E402
-from selenium.webdriver.common.by import By  # noqa: E402
-from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
+from selenium import webdriver  # the test extra, which `make test` installs: missing is a failure, not a skip
+from selenium.webdriver.chrome.service import Service
+from selenium.webdriver.common.by import By
+from selenium.webdriver.support.ui import WebDriverWait
 
 REPO = Path(__file__).resolve().parents[2]
 ARTIFACTS = Path(os.environ.get("CLLM_TEST_ARTIFACTS") or REPO / "test-artifacts")

@@ -6,8 +6,9 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("llama_cpp")
-from cllm.backends.llama_cpp.weights import (  # noqa: E402
+import llama_cpp  # noqa: F401 (the llama_cpp extra, which `make test` installs: missing is a failure, not a skip)
+
+from cllm.backends.llama_cpp.weights import (
     AUTO_MAX_BYTES, FTYPE_Q4_1, TARGETS, auto_choice, converted_bytes, converted_path, cpu_has_avx2,
 )
 
