@@ -17,6 +17,7 @@ from cllm.server.anthropic_errors import AnthropicErrorMiddleware
 from cllm.server.auth import ApiKeyMiddleware
 from cllm.server.body_limit import BodyLimitMiddleware
 from cllm.server.errors import install_error_handlers
+from cllm.server.fingerprint import system_fingerprint
 from cllm.server.host_guard import LOOPBACK_HOSTS, HostGuardMiddleware
 from cllm.server.lifecycle import lifespan_for, request_drain
 from cllm.server.routes import KNOWN_PATHS, routers
@@ -47,6 +48,7 @@ def create_app(config: CllmConfig, engine: Any | None = None) -> FastAPI:
         redoc_url=None,
     )
     app.state.cllm = state
+    app.state.system_fingerprint = system_fingerprint(config)  # one value for the process's whole life
     install_error_handlers(app)
     for router in routers():
         app.include_router(router)

@@ -15,7 +15,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from cllm.server.chat_page import PAGE_PATHS
 from cllm.server.errors import APIError
 
-PUBLIC_PATHS = frozenset({"/health"}) | PAGE_PATHS
+PUBLIC_PATHS = frozenset({"/health", "/v1/health"}) | PAGE_PATHS  # /v1/health: llama-server serves both
 
 
 class ApiKeyMiddleware:

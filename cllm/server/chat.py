@@ -25,6 +25,7 @@ from cllm.outputs import RequestOutput
 from cllm.sampling.params import SamplingParams
 from cllm.server.access_log import access_record
 from cllm.server.errors import APIError, bad_request, param_from_message, reject_unsupported
+from cllm.server.fingerprint import fingerprint_of
 from cllm.server.generation import GenerationStream
 from cllm.server.logprobs import chat_logprobs
 from cllm.server.protocol import (
@@ -142,7 +143,8 @@ async def _prepare_chat(body: ChatCompletionRequest, request: Request, id_prefix
     params = build_sampling_params(body, max_tokens=max_tokens, logprobs=_logprobs_setting(body), limits=model.limits,
                                    constraint=constraint)
     reply = _reply_format(model.engine, prompt, plan, settings, constrained=bool(constraint or body.constraint()))
-    meta = ResponseMeta(id=f"{id_prefix}{uuid.uuid4().hex}", created=int(time.time()), model=model.name)
+    meta = ResponseMeta(id=f"{id_prefix}{uuid.uuid4().hex}", created=int(time.time()), model=model.name,
+                        system_fingerprint=fingerprint_of(request))
     return ChatJob(model, prompt, params, reply, meta)
 
 
@@ -184,10 +186,12 @@ class ChatFormatter:
     """SSE chunks for /v1/chat/completions: a role chunk per choice, then reasoning and content deltas;
     with tools, text that may be a tool call is held back and sent as ``delta.tool_calls`` fragments."""
 
-    def __init__(self, meta: ResponseMeta, n: int, logprobs: bool, reply: ReplyFormat | None = None) -> None:
+    def __init__(self, meta: ResponseMeta, n: int, logprobs: bool, reply: ReplyFormat | None = None,
+                 include_usage: bool = False) -> None:
         self._meta = meta
         self._n = n
         self._logprobs = logprobs
+        self._include_usage = include_usage  # every chunk carries "usage": null, the last one the usage
         self._reply = reply or ReplyFormat()
         self._replies: dict[int, ReplyStream] = {}  # choice index -> its reply so far
         self._plain = self._reply.plan is None and self._reply.reasoning is None  # content passes through as is
@@ -216,12 +220,12 @@ class ChatFormatter:
                       reason: str | None) -> Iterable[bytes]:
         """No tools, no reasoning split: the delta is the content (the per-token fast path)."""
         logprobs = chat_logprobs(logprobs_delta) if self._logprobs and logprobs_delta else None
-        if not (text_delta or reason or logprobs):
-            return
+        if text_delta or logprobs:
+            delta = DeltaMessage(content=text_delta) if text_delta else DeltaMessage()
+            yield sse_model(self._chunk([ChatStreamChoice(index=index, delta=delta, logprobs=logprobs)]))
         if reason:
             reply.finished = True
-        delta = DeltaMessage(content=text_delta) if text_delta else DeltaMessage()
-        yield sse_model(self._chunk([ChatStreamChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=reason)]))
+            yield self._finish_chunk(index, reason)
 
     def _choice_chunks(self, index: int, reply: ReplyStream, text_delta: str, logprobs_delta: list | None,
                        reason: str | None) -> Iterable[bytes]:
@@ -230,26 +234,31 @@ class ChatFormatter:
         # Held-back text (part of a UTF-8 character, a possible stop string or marker) still sends its
         # tokens' logprobs now, so streamed logprobs equal non-streamed ones token for token.
         logprobs = chat_logprobs(logprobs_delta) if self._logprobs and logprobs_delta else None
-        if delta.reasoning or delta.content or logprobs or (reason and not calls):
+        if delta.reasoning or delta.content or logprobs:
             message = DeltaMessage(content=delta.content or None, reasoning_content=delta.reasoning or None)
-            final = reason if not calls else None
-            yield sse_model(self._chunk([ChatStreamChoice(index=index, delta=message, logprobs=logprobs,
-                                                          finish_reason=final)]))
+            yield sse_model(self._chunk([ChatStreamChoice(index=index, delta=message, logprobs=logprobs)]))
         for i, call in enumerate(calls):
             # As OpenAI: the first fragment names the call, later ones carry the arguments text.
             head = DeltaToolCall(index=i, id=call.id, type="function", function=DeltaFunctionCall(name=call.name, arguments=""))
             body = DeltaToolCall(index=i, function=DeltaFunctionCall(arguments=call.arguments))
             for fragment in (head, body):
                 yield sse_model(self._chunk([ChatStreamChoice(index=index, delta=DeltaMessage(tool_calls=[fragment]))]))
-        if calls:
-            yield sse_model(self._chunk([ChatStreamChoice(index=index, delta=DeltaMessage(), finish_reason="tool_calls")]))
+        if reason:
+            yield self._finish_chunk(index, "tool_calls" if calls else reason)
+
+    def _finish_chunk(self, index: int, reason: str) -> bytes:
+        """The finish in a chunk of its own with an empty delta, as OpenAI ends every choice: a client
+        that stops reading at the finish_reason has had all of the text by then."""
+        return sse_model(self._chunk([ChatStreamChoice(index=index, delta=DeltaMessage(), finish_reason=reason)]))
 
     def usage_chunk(self, usage: UsageInfo) -> bytes:
         return sse_model(self._chunk([], usage))
 
     def _chunk(self, choices: list[ChatStreamChoice], usage: UsageInfo | None = None) -> ChatCompletionChunk:
         m = self._meta
-        return ChatCompletionChunk(id=m.id, created=m.created, model=m.model, choices=choices, usage=usage)
+        chunk = ChatCompletionChunk(id=m.id, created=m.created, model=m.model, system_fingerprint=m.system_fingerprint,
+                                    choices=choices, usage=usage)
+        return chunk.with_usage_requested(self._include_usage)
 
 
 def build_chat(meta: ResponseMeta, final: RequestOutput, logprobs: bool, reply: ReplyFormat | None = None) -> ChatCompletionResponse:
@@ -267,7 +276,8 @@ def build_chat(meta: ResponseMeta, final: RequestOutput, logprobs: bool, reply: 
         choices.append(ChatChoice(index=o.index, message=message,
                                   logprobs=chat_logprobs(o.logprobs or []) if logprobs else None, finish_reason=finish))
     return ChatCompletionResponse(
-        id=meta.id, created=meta.created, model=meta.model, choices=choices, usage=total_usage([final])
+        id=meta.id, created=meta.created, model=meta.model, system_fingerprint=meta.system_fingerprint,
+        choices=choices, usage=total_usage([final]),
     )
 
 
@@ -326,6 +336,6 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     n = job.params.n
     return await run_chat(
         request, job, wants_stream=body.wants_stream, include_usage=body.include_usage, priority=body.priority,
-        formatter=lambda: ChatFormatter(job.meta, n, wants_logprobs, job.reply),
+        formatter=lambda: ChatFormatter(job.meta, n, wants_logprobs, job.reply, include_usage=body.include_usage),
         build=lambda finals: build_chat(job.meta, finals[0], wants_logprobs, job.reply),
     )

@@ -18,7 +18,8 @@ from cllm.server.errors import bad_request, reject_unsupported
 from cllm.server.generation import GenerationStream, Prompt
 from cllm.server.echo import echo_of
 from cllm.server.logprobs import completion_logprobs, concat_logprobs
-from cllm.server.protocol import CompletionChoice, CompletionRequest, CompletionResponse, UsageInfo
+from cllm.server.fingerprint import fingerprint_of
+from cllm.server.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, UsageInfo
 from cllm.server.sampling import build_sampling_params
 from cllm.server.serving import ResponseMeta, respond, total_usage
 from cllm.server.state import get_state
@@ -64,8 +65,10 @@ class EchoSpec:
 class CompletionFormatter:
     """SSE chunks for /v1/completions; one chunk per choice with news."""
 
-    def __init__(self, meta: ResponseMeta, n: int, logprobs: bool, echo: EchoSpec | None = None) -> None:
+    def __init__(self, meta: ResponseMeta, n: int, logprobs: bool, echo: EchoSpec | None = None,
+                 include_usage: bool = False) -> None:
         self._meta = meta
+        self._include_usage = include_usage  # every chunk carries "usage": null, the last one the usage
         self._n = n
         self._logprobs = logprobs
         self._echo = echo
@@ -84,26 +87,35 @@ class CompletionFormatter:
             # sends its logprob now, so streamed logprobs equal non-streamed ones token for token.
             if not (o.text_delta or reason or logprobs):
                 continue
+            echo_due = self._echo is not None and index not in self._echo_chars
+            if o.text_delta or logprobs or echo_due:
+                yield self._text_chunk(out, index, o.text_delta, logprobs)
             if reason:
+                # The finish in a chunk of its own (text "", logprobs null), as OpenAI ends a choice.
                 self._finished.add(index)
-            prefix = ""
-            if self._echo is not None and index not in self._echo_chars:
-                echo = echo_of(out, self._echo.tokenizer, logprobs=self._echo.logprobs)
-                prefix = echo.text
-                self._echo_chars[index] = len(prefix)
-                if echo.logprobs is not None:
-                    logprobs = concat_logprobs(echo.logprobs, logprobs or completion_logprobs([]), shift=len(prefix))
-            elif logprobs is not None and index in self._echo_chars:  # output offsets count the echoed prompt
-                logprobs = concat_logprobs(completion_logprobs([]), logprobs, shift=self._echo_chars[index])
-            choice = CompletionChoice(index=index, text=prefix + o.text_delta, logprobs=logprobs, finish_reason=reason)
-            yield sse_model(self._chunk([choice]))
+                yield sse_model(self._chunk([CompletionChoice(index=index, text="", finish_reason=reason)]))
+
+    def _text_chunk(self, out: RequestOutput, index: int, text: str, logprobs: CompletionLogprobs | None) -> bytes:
+        """A choice's new text and logprobs (its first chunk with the echoed prompt ahead of them)."""
+        prefix = ""
+        if self._echo is not None and index not in self._echo_chars:
+            echo = echo_of(out, self._echo.tokenizer, logprobs=self._echo.logprobs)
+            prefix = echo.text
+            self._echo_chars[index] = len(prefix)
+            if echo.logprobs is not None:
+                logprobs = concat_logprobs(echo.logprobs, logprobs or completion_logprobs([]), shift=len(prefix))
+        elif logprobs is not None and index in self._echo_chars:  # output offsets count the echoed prompt
+            logprobs = concat_logprobs(completion_logprobs([]), logprobs, shift=self._echo_chars[index])
+        return sse_model(self._chunk([CompletionChoice(index=index, text=prefix + text, logprobs=logprobs)]))
 
     def usage_chunk(self, usage: UsageInfo) -> bytes:
         return sse_model(self._chunk([], usage))
 
     def _chunk(self, choices: list[CompletionChoice], usage: UsageInfo | None = None) -> CompletionResponse:
         m = self._meta
-        return CompletionResponse(id=m.id, created=m.created, model=m.model, choices=choices, usage=usage)
+        chunk = CompletionResponse(id=m.id, created=m.created, model=m.model, system_fingerprint=m.system_fingerprint,
+                                   choices=choices, usage=usage)
+        return chunk.with_usage_requested(self._include_usage)
 
 
 def build_completion(meta: ResponseMeta, finals: list[RequestOutput], n: int, logprobs: bool,
@@ -119,7 +131,8 @@ def build_completion(meta: ResponseMeta, finals: list[RequestOutput], n: int, lo
             text = o.text if echoed is None else echoed.text + o.text
             choices.append(CompletionChoice(index=p * n + o.index, text=text, logprobs=lp, finish_reason=o.finish_reason))
     return CompletionResponse(
-        id=meta.id, created=meta.created, model=meta.model, choices=choices, usage=total_usage(finals)
+        id=meta.id, created=meta.created, model=meta.model, system_fingerprint=meta.system_fingerprint,
+        choices=choices, usage=total_usage(finals),
     )
 
 
@@ -143,7 +156,8 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
         prompt_logprobs = body.logprobs if body.logprobs is not None else (0 if max_tokens == 0 else None)
     params = build_sampling_params(body, max_tokens=max_tokens, logprobs=body.logprobs, limits=model.limits,
                                    prompt_logprobs=prompt_logprobs)
-    meta = ResponseMeta(id=f"cmpl-{uuid.uuid4().hex}", created=int(time.time()), model=model.name)
+    meta = ResponseMeta(id=f"cmpl-{uuid.uuid4().hex}", created=int(time.time()), model=model.name,
+                        system_fingerprint=fingerprint_of(request))
     record = access_record(request)
     if record is not None:
         record.request_id = meta.id
@@ -158,6 +172,6 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     return await respond(
         request, stream, meta=meta, wants_stream=body.wants_stream, include_usage=body.include_usage,
         keepalive_s=state.config.server.sse_keepalive_s,
-        formatter=lambda: CompletionFormatter(meta, params.n, wants_logprobs, echo),
+        formatter=lambda: CompletionFormatter(meta, params.n, wants_logprobs, echo, include_usage=body.include_usage),
         build=lambda finals: build_completion(meta, finals, params.n, wants_logprobs, echo),
     )

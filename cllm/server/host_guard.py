@@ -29,7 +29,7 @@ class HostGuardMiddleware:
         self.allowed = LOOPBACK_HOSTS | {h.lower() for h in allowed}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] == "/health":  # probes may use any name
+        if scope["type"] != "http" or scope["path"] in ("/health", "/v1/health"):  # probes may use any name
             await self.app(scope, receive, send)
             return
         host = dict(scope.get("headers") or []).get(b"host", b"").decode("latin-1").lower()

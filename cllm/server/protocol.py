@@ -10,9 +10,9 @@ parameter.
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, SerializerFunctionWrapHandler, model_serializer
 
 
 class _Request(BaseModel):
@@ -154,19 +154,37 @@ class ChatCompletionRequest(GenerationRequest):
 
 
 class TokenizeRequest(_Request):
-    """POST /tokenize: exactly one of ``prompt`` or ``messages``."""
+    """POST /tokenize: exactly one of ``prompt`` or ``messages`` (vLLM's body) or ``content``
+    (llama-server's, whose ``add_special`` defaults to false as there)."""
 
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    content: str | None = None
     add_special_tokens: bool | None = None
+    add_special: bool | None = None  # llama-server's name for add_special_tokens
     add_generation_prompt: bool | None = None
+    with_pieces: bool | None = None  # llama-server: each token as {"id", "piece"}
 
-    @model_validator(mode="after")
-    def _one_input(self) -> TokenizeRequest:
-        if (self.prompt is None) == (self.messages is None):
-            raise ValueError("give exactly one of 'prompt' or 'messages'")
-        return self
+    def input_error(self) -> tuple[str, str] | None:
+        """(param, why) when the inputs contradict each other (checked by the route, which names the field)."""
+        given = [name for name in ("prompt", "messages", "content") if getattr(self, name) is not None]
+        if len(given) != 1:
+            return (given[1] if given else "prompt"), f"give exactly one of 'prompt', 'messages' or 'content' (got {given or 'none'})"
+        if None not in (self.add_special, self.add_special_tokens) and self.add_special != self.add_special_tokens:
+            return "add_special", "add_special and add_special_tokens disagree: they are one setting, give one of them"
+        return None
+
+    @property
+    def text(self) -> str | None:
+        return self.prompt if self.prompt is not None else self.content
+
+    @property
+    def adds_special(self) -> bool:
+        """Whether BOS and the like are added: as asked, else vLLM's default (yes) for ``prompt`` and
+        llama-server's (no) for ``content``."""
+        asked = self.add_special_tokens if self.add_special_tokens is not None else self.add_special
+        return asked if asked is not None else self.content is None
 
 
 class DetokenizeRequest(_Request):
@@ -181,6 +199,22 @@ class DetokenizeRequest(_Request):
 
 class _Response(BaseModel):
     model_config = ConfigDict(protected_namespaces=())
+
+
+class _OmitIfNone(_Response):
+    """A model some of whose fields the OpenAI spec marks optional: those are left out while None.
+    Every other field is always sent, null included: clients index ``choice["finish_reason"]`` or
+    ``choice["logprobs"]`` in every chunk (issue 46 §5), so nullable-but-required means null, not absent."""
+
+    _omit_if_none: ClassVar[frozenset[str]] = frozenset()
+
+    @model_serializer(mode="wrap")
+    def _drop_optional_nones(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data = handler(self)
+        for key in self._omit_if_none:
+            if key in data and data[key] is None:
+                del data[key]
+        return data
 
 
 class PromptTokensDetails(_Response):
@@ -215,7 +249,27 @@ def _now() -> int:
     return int(time.time())
 
 
-class CompletionResponse(_Response):
+class _Chunk(_Response):
+    """A streamed chunk: ``usage`` is absent unless the client asked for it (``stream_options.include_usage``),
+    then null in every chunk but the last, as OpenAI sends it."""
+
+    _usage_requested: bool = PrivateAttr(default=False)
+
+    @model_serializer(mode="wrap")
+    def _drop_optional_nones(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data = handler(self)
+        if data.get("usage", 0) is None and not self._usage_requested:
+            del data["usage"]
+        return data
+
+    def with_usage_requested(self, requested: bool) -> _Chunk:
+        self._usage_requested = requested
+        return self
+
+
+class CompletionResponse(_Chunk):
+    """A /v1/completions body, and (object ``text_completion`` too, as OpenAI) each of its stream chunks."""
+
     id: str
     object: Literal["text_completion"] = "text_completion"
     created: int = Field(default_factory=_now)
@@ -279,13 +333,17 @@ class ChatCompletionResponse(_Response):
     usage: UsageInfo | None = None
 
 
-class DeltaFunctionCall(_Response):
+class DeltaFunctionCall(_OmitIfNone):
+    _omit_if_none = frozenset({"name", "arguments"})
+
     name: str | None = None
     arguments: str | None = None
 
 
-class DeltaToolCall(_Response):
+class DeltaToolCall(_OmitIfNone):
     """A fragment of a streamed tool call; fragments with the same index concatenate."""
+
+    _omit_if_none = frozenset({"id", "type", "function"})
 
     index: int
     id: str | None = None
@@ -293,7 +351,11 @@ class DeltaToolCall(_Response):
     function: DeltaFunctionCall | None = None
 
 
-class DeltaMessage(_Response):
+class DeltaMessage(_OmitIfNone):
+    """What a chunk adds to a choice's message: only the fields it sets (the last chunk: ``{}``)."""
+
+    _omit_if_none = frozenset({"role", "content", "reasoning_content", "tool_calls"})
+
     role: Literal["assistant"] | None = None
     content: str | None = None
     reasoning_content: str | None = None
@@ -307,7 +369,7 @@ class ChatStreamChoice(_Response):
     finish_reason: str | None = None
 
 
-class ChatCompletionChunk(_Response):
+class ChatCompletionChunk(_Chunk):
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int = Field(default_factory=_now)
@@ -330,11 +392,20 @@ class ModelList(_Response):
     data: list[ModelCard]
 
 
+class TokenPiece(_Response):
+    """A token with its text (llama-server's ``with_pieces``): ``piece`` is a string when the token's
+    bytes are valid UTF-8 on their own, else the list of its byte values."""
+
+    id: int
+    piece: str | list[int]
+
+
 class TokenizeResponse(_Response):
-    tokens: list[int]
+    tokens: list[int] | list[TokenPiece]
     count: int
     max_model_len: int
 
 
 class DetokenizeResponse(_Response):
-    prompt: str
+    prompt: str  # vLLM's name
+    content: str  # llama-server's name for the same text

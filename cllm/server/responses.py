@@ -312,8 +312,9 @@ def _check_echoed(body: ResponsesRequest) -> None:
                               param=name) from None
 
 
-async def create_response(body: ResponsesRequest, request: Request) -> Response:
-    """Validate, admit and run one Responses request."""
+async def prepare_response(body: ResponsesRequest, request: Request) -> ResponseContext:
+    """Validate and render a Responses request (the conversation it continues included), ready to run
+    or to count (POST /v1/responses/input_tokens)."""
     reject_unsupported(body)
     _check_echoed(body)
     store = response_store(request)
@@ -323,7 +324,13 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
     system = [{"role": "system", "content": body.instructions}] if body.instructions else []
     chat = _chat_request(body, [*system, *history, *new])
     job = await prepare_chat(chat, request, id_prefix="resp_", params_renamed=_PARAMS)
-    ctx = ResponseContext(body, job, history, new, store)
+    return ResponseContext(body, job, history, new, store)
+
+
+async def create_response(body: ResponsesRequest, request: Request) -> Response:
+    """Validate, admit and run one Responses request."""
+    ctx = await prepare_response(body, request)
+    job = ctx.job
     formatter = ResponsesFormatter(ctx)
     return await run_chat(
         request, job, wants_stream=bool(body.stream), include_usage=False, priority=body.priority,

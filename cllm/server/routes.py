@@ -16,6 +16,7 @@ from cllm.server.chat_page import page_router
 from cllm.server.completions import create_completion
 from cllm.server.embeddings import create_embeddings
 from cllm.server.errors import bad_request
+from cllm.server.input_tokens import chat_input_tokens, response_input_tokens
 from cllm.server.metrics import CONTENT_TYPE
 from cllm.server.protocol import (
     DetokenizeRequest,
@@ -24,9 +25,11 @@ from cllm.server.protocol import (
     ModelList,
     TokenizeRequest,
     TokenizeResponse,
+    TokenPiece,
 )
 from cllm.server.responses import create_response, delete_response, get_response, list_input_items
 from cllm.server.state import Phase, get_state
+from cllm.server.token_pieces import token_pieces
 from cllm.server.tokens import encode_prompt
 
 
@@ -87,18 +90,27 @@ async def metrics(request: Request) -> Response:
 
 
 async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
+    """vLLM's body (``prompt`` or ``messages``) or llama-server's (``content``, ``add_special``,
+    ``with_pieces``)."""
     state = get_state(request)
     model = state.require_loaded()
     state.check_model(body.model)
+    error = body.input_error()
+    if error is not None:
+        raise bad_request(error[1], param=error[0])
     if body.messages is not None:
         tokens = await run_in_threadpool(render_chat, model.engine, body.messages, body.add_generation_prompt is not False)
     else:
+        param = "prompt" if body.prompt is not None else "content"
         try:
-            tokens = await run_in_threadpool(encode_prompt, model.engine.tokenizer, body.prompt or "",
-                                             add_special=body.add_special_tokens is not False)
+            tokens = await run_in_threadpool(encode_prompt, model.engine.tokenizer, body.text or "",
+                                             add_special=body.adds_special)
         except (ValueError, TypeError) as exc:
-            raise bad_request(f"cannot tokenize: {exc}", param="prompt") from None
-    return TokenizeResponse(tokens=tokens, count=len(tokens), max_model_len=model.max_model_len)
+            raise bad_request(f"cannot tokenize: {exc}", param=param) from None
+    shown: list[int] | list[TokenPiece] = tokens
+    if body.with_pieces:
+        shown = await run_in_threadpool(token_pieces, model.engine.tokenizer, tokens)
+    return TokenizeResponse(tokens=shown, count=len(tokens), max_model_len=model.max_model_len)
 
 
 async def detokenize(body: DetokenizeRequest, request: Request) -> DetokenizeResponse:
@@ -110,23 +122,41 @@ async def detokenize(body: DetokenizeRequest, request: Request) -> DetokenizeRes
     if bad:
         raise bad_request(f"invalid token ids {bad[:8]}: must be in [0, {vocab})", param="tokens")
     # A long token list decodes for a while: off the event loop (issue 9 defect 17).
-    return DetokenizeResponse(prompt=await run_in_threadpool(model.engine.tokenizer.decode, body.tokens))
+    text = await run_in_threadpool(model.engine.tokenizer.decode, body.tokens)
+    return DetokenizeResponse(prompt=text, content=text)
+
+
+def _openai_routes(router: APIRouter) -> None:
+    """The OpenAI routes, served under /v1 and, as llama-server does, also without it (clients whose base
+    URL lacks /v1)."""
+    router.add_api_route("/completions", create_completion, methods=["POST"], response_model=None)
+    router.add_api_route("/chat/completions", create_chat_completion, methods=["POST"], response_model=None)
+    router.add_api_route("/chat/completions/input_tokens", chat_input_tokens, methods=["POST"], response_model=None)
+    router.add_api_route("/embeddings", create_embeddings, methods=["POST"], response_model=None)
+    router.add_api_route("/responses", create_response, methods=["POST"], response_model=None)
+    router.add_api_route("/responses/input_tokens", response_input_tokens, methods=["POST"], response_model=None)
+    router.add_api_route("/responses/{response_id}", get_response, methods=["GET"], response_model=None)
+    router.add_api_route("/responses/{response_id}", delete_response, methods=["DELETE"], response_model=None)
+    router.add_api_route("/responses/{response_id}/input_items", list_input_items, methods=["GET"], response_model=None)
+    router.add_api_route("/models", list_models, methods=["GET"])
+    router.add_api_route("/models/{model_id:path}", get_model, methods=["GET"])
 
 
 def _openai_router() -> APIRouter:
     router = APIRouter(prefix="/v1")
-    router.add_api_route("/completions", create_completion, methods=["POST"], response_model=None)
-    router.add_api_route("/chat/completions", create_chat_completion, methods=["POST"], response_model=None)
-    router.add_api_route("/embeddings", create_embeddings, methods=["POST"], response_model=None)
-    router.add_api_route("/responses", create_response, methods=["POST"], response_model=None)
-    router.add_api_route("/responses/{response_id}", get_response, methods=["GET"], response_model=None)
-    router.add_api_route("/responses/{response_id}", delete_response, methods=["DELETE"], response_model=None)
-    router.add_api_route("/responses/{response_id}/input_items", list_input_items, methods=["GET"], response_model=None)
+    _openai_routes(router)
+    # Only under /v1: Anthropic's clients add /v1 themselves, and /v1/engine is cllm's own.
     router.add_api_route("/messages", create_message, methods=["POST"], response_model=None)
     router.add_api_route("/messages/count_tokens", count_tokens, methods=["POST"], response_model=None)
-    router.add_api_route("/models", list_models, methods=["GET"])
-    router.add_api_route("/models/{model_id:path}", get_model, methods=["GET"])
     router.add_api_route("/engine", engine_state, methods=["GET"])
+    router.add_api_route("/health", health, methods=["GET"], response_model=None, include_in_schema=False)
+    return router
+
+
+def _unprefixed_router() -> APIRouter:
+    """The same handlers without /v1 (left out of the OpenAPI schema, which lists each once)."""
+    router = APIRouter(include_in_schema=False)
+    _openai_routes(router)
     return router
 
 
@@ -141,12 +171,13 @@ def _ops_router() -> APIRouter:
 
 def routers() -> list[APIRouter]:
     """All routers of the app (the API key, when set, is checked by ApiKeyMiddleware; the chat page is public)."""
-    return [_openai_router(), _ops_router(), page_router()]
+    return [_openai_router(), _unprefixed_router(), _ops_router(), page_router()]
 
 
 # Routes whose path is a fixed string, for the metrics' route label (anything else is "other").
+_OPENAI_PATHS = ("/completions", "/chat/completions", "/chat/completions/input_tokens", "/embeddings", "/models",
+                 "/responses", "/responses/input_tokens")
 KNOWN_PATHS = frozenset({
-    "/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/models", "/v1/engine",
-    "/v1/responses", "/v1/messages", "/v1/messages/count_tokens",
-    "/health", "/metrics", "/tokenize", "/detokenize", "/",
+    *_OPENAI_PATHS, *(f"/v1{p}" for p in _OPENAI_PATHS), "/v1/engine", "/v1/messages", "/v1/messages/count_tokens",
+    "/health", "/v1/health", "/metrics", "/tokenize", "/detokenize", "/",
 })

@@ -28,6 +28,7 @@ class ResponseMeta:
     id: str  # cmpl-… / chatcmpl-…
     created: int  # unix seconds
     model: str  # served model name
+    system_fingerprint: str | None = None  # the server's build and settings (fingerprint.py), on OpenAI's bodies
 
 
 class StreamFormatter(Protocol):

@@ -16,8 +16,10 @@ KEEPALIVE = b": keep-alive\n\n"
 
 
 def sse_model(model: BaseModel) -> bytes:
-    """One ``data:`` event holding a chunk; null fields are left out, as OpenAI's chunks do."""
-    return b"data: " + model.model_dump_json(exclude_none=True).encode() + b"\n\n"
+    """One ``data:`` event holding a chunk. Null fields are sent as null (``finish_reason`` and
+    ``logprobs`` in every chunk, as OpenAI's); the models leave out only the fields the spec makes
+    optional (protocol.py ``_OmitIfNone``)."""
+    return b"data: " + model.model_dump_json().encode() + b"\n\n"
 
 
 def sse_json(payload: dict[str, Any]) -> bytes:
