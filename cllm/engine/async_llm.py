@@ -207,12 +207,14 @@ class AsyncLLM:
         return self._thread is not None and self._thread.is_alive() and self._dead is None
 
     def apply_chat_template(self, messages: Sequence[dict], add_generation_prompt: bool = True,
-                            tools: list[dict] | None = None) -> str:
-        return self.engine.apply_chat_template(messages, add_generation_prompt, tools)
+                            tools: list[dict] | None = None, *, continue_final_message: bool = False) -> str:
+        return self.engine.apply_chat_template(messages, add_generation_prompt, tools,
+                                               continue_final_message=continue_final_message)
 
     def tokenize_chat(self, messages: Sequence[dict], add_generation_prompt: bool = True,
-                      tools: list[dict] | None = None) -> list[int]:
-        return self.engine.tokenize_chat(messages, add_generation_prompt, tools)
+                      tools: list[dict] | None = None, *, continue_final_message: bool = False) -> list[int]:
+        return self.engine.tokenize_chat(messages, add_generation_prompt, tools,
+                                         continue_final_message=continue_final_message)
 
     def stats(self) -> EngineStats:
         """The engine's stats as of its latest step; never waits for a running step (``/metrics`` and
@@ -471,7 +473,7 @@ class AsyncLLM:
         with self._arriving():
             ids = await prompt_token_ids(self.engine.tokenize_prompt, prompt)
             self.engine.resolve_max_tokens(len(ids), params)
-            params.check_vocab(self.tokenizer.vocab_size)
+            self.engine.check_params(params)  # stop strings, constraint size: before anything is registered
             if params.constraint_key is not None:
                 # A cold grammar compile takes milliseconds to seconds: off the event loop and the engine
                 # loop, so the engine only ever meets cached grammars.

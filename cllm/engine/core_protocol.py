@@ -32,6 +32,7 @@ class AddRequest:
     priority: int  # scheduler priority
     timeout_s: float | None  # per-request deadline from arrival; None = none
     prompt_ids: list[int]  # the tokenised prompt
+    client: str | None = None  # who pays the request's cold grammar compile (max_compiles_per_client); None = nobody
 
 
 @dataclass(slots=True)
@@ -88,6 +89,7 @@ class Admitted:
     request_id: str
     num_sequences: int  # the request's n: what the API side counted as pending for it
     error: BaseException | None
+    aborted: bool = False  # aborted while its grammar compiled: it never reached the engine, its stream ends "abort"
 
 
 @dataclass(slots=True)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import contextvars
 import dataclasses
 import logging
 import math
@@ -44,6 +45,8 @@ from cllm.engine.core_protocol import (
 )
 from cllm.engine.llm_engine import LLMEngine
 from cllm.errors import QueueFullError
+from cllm.server.client_quota import compile_quota
+from cllm.structured.limits import CompileBusyError, charge_compiles_to
 from cllm.gc_freeze import freeze_live_objects
 from cllm.outputs import RequestOutput, merge_outputs
 
@@ -55,6 +58,9 @@ COMPILE_POLL_S = 0.005  # how often an idle core looks at grammar compiles in fl
 # then each stream's pump, then its writer, an iteration each), none merged: at 256 streams on an H100
 # the loop sent one SSE event per token, ~30 µs each, and was the bottleneck beside a faster engine.
 MAX_UNSETTLED = 1
+# Requests whose grammar compiles at once in the core (each waits in the grammar cache's pool within
+# its compile budget, as an in-process request's thread does); one more gets CompileBusyError (429).
+MAX_COMPILING = 32
 
 
 @dataclass(slots=True)
@@ -67,7 +73,11 @@ class CoreSpec:
 
 def run_engine_core(spec: CoreSpec, commands: Connection, outputs: Connection) -> None:
     """The child process's main: build the engine, say ready (or why not), run the loop, exit."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the API process drains us
+    # Ctrl-C, and SIGTERM from systemd, a container's init or `kill -- -PGID`, reach the whole process
+    # group: the API process drains the streams within shutdown_grace_s and then stops us (StopCore,
+    # killed past its join timeout). Dying on the signal would cut every stream at once.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=spec.config.server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     async_llm._name_os_thread("cllm-core")
     sender = Sender(outputs)
@@ -154,7 +164,12 @@ class EngineCore:
         self._stopping = False
         self._embeds: list[EmbedRequest] = []
         self._compiling: dict[str, tuple[concurrent.futures.Future, AddRequest]] = {}
-        self._compiler = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="cllm-grammar")
+        # One waiting thread per compiling request (bounded by MAX_COMPILING), so each one's compile budget
+        # runs from its arrival, as in-process; the compiles themselves run in the grammar cache's pool.
+        self._compiler = concurrent.futures.ThreadPoolExecutor(max_workers=MAX_COMPILING, thread_name_prefix="cllm-grammar")
+        # Cold compiles charged per client (server.max_compiles_per_client), as the API process's quota
+        # does in-process: the same counts, the same 429.
+        self._compile_quota = compile_quota(engine.config)
         # when requests finished whose clients have not sent another since (oldest first; see async_llm's BURST_*)
         self._owed: collections.deque[float] = collections.deque()
         self._held: dict[str, RequestOutput] = {}  # outputs not sent yet (the API process is behind), merged
@@ -227,9 +242,9 @@ class EngineCore:
         if isinstance(command, AddRequest):
             if self._owed:  # a client came back
                 self._owed.popleft()
-            if command.params.constraint_key is not None:  # a cold compile takes ms to s: off the loop
-                future = self._compiler.submit(self.engine.structured.compile, command.params)
-                self._compiling[command.request_id] = (future, command)
+            key = command.params.constraint_key
+            if key is not None and not self.engine.structured.cache.is_cached(key):  # ms to s: off the loop
+                self._start_compile(command)
             else:
                 self._add(command)
             return 1
@@ -250,6 +265,22 @@ class EngineCore:
             error = portable_error(err)
         self._sender.send(Admitted(command.request_id, command.params.n, error))
 
+    def _start_compile(self, command: AddRequest) -> None:
+        if len(self._compiling) >= MAX_COMPILING:
+            busy = CompileBusyError(f"{MAX_COMPILING} grammar compiles are queued in the engine (other requests' "
+                                    "constraints); retry later")
+            self._sender.send(Admitted(command.request_id, command.params.n, busy))
+            return
+        # A fresh context per compile: the payer set in it cannot leak to the worker thread's next task.
+        future = self._compiler.submit(contextvars.Context().run, self._compile, command)
+        self._compiling[command.request_id] = (future, command)
+
+    def _compile(self, command: AddRequest) -> None:
+        """A worker thread: compile (or join the compile of) the request's grammar, charged to its client."""
+        if command.client is not None and self._compile_quota is not None:
+            charge_compiles_to(self._compile_quota.payer(command.client))
+        self.engine.structured.compile(command.params)
+
     def _admit_compiled(self) -> None:
         for rid, (future, command) in list(self._compiling.items()):
             if not future.done():
@@ -263,8 +294,8 @@ class EngineCore:
 
     def _abort(self, request_id: str) -> None:
         pending = self._compiling.pop(request_id, None)
-        if pending is not None:  # never reached the engine: answer its add (the caller is gone)
-            self._sender.send(Admitted(request_id, pending[1].params.n, None))
+        if pending is not None:  # never reached the engine: its add is answered, its stream ends "abort"
+            self._sender.send(Admitted(request_id, pending[1].params.n, None, aborted=True))
             return
         out = self.engine.abort_request(request_id)
         if out is not None:

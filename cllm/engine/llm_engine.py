@@ -17,7 +17,7 @@ import numpy as np
 
 from cllm.backends.base import Backend, BackendError, KVCacheFullError
 from cllm.backends.registry import create_backend
-from cllm.chat_template import ChatTemplate
+from cllm.chat_template import ChatTemplate, encode_segments
 from cllm.config import CllmConfig
 from cllm.engine import migration
 from cllm.engine.prompt_logprobs import score_prompt_chunk
@@ -34,7 +34,7 @@ from cllm.scheduler.output import ScheduledChunk, SchedulerOutput
 from cllm.scheduler.scheduler import Scheduler
 from cllm.speculative.speculator import create_speculator
 from cllm.structured import StructuredOutputs
-from cllm.structured.limits import ConstraintLimits
+from cllm.structured.limits import ConstraintLimits, check_constraint
 from cllm.structured.manager import PendingMask
 
 Prompt = str | Sequence[int]
@@ -66,10 +66,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.backend, config.scheduler)
         self.speculator = create_speculator(config, self.backend)  # None: speculative decoding off
         self.scheduler.speculator = self.speculator
-        sc = config.structured
-        limits = ConstraintLimits(max_text_bytes=sc.max_constraint_bytes, max_depth=sc.max_constraint_depth,
-                                  compile_timeout_s=sc.grammar_compile_timeout_s, cache_bytes=sc.grammar_cache_mib << 20)
-        self.structured = StructuredOutputs(self.tokenizer, sc.grammar_cache_size, limits)
+        self.structured = StructuredOutputs(self.tokenizer, config.structured.grammar_cache_size, constraint_limits(config))
         self.max_model_len = self.backend.capacity.max_model_len
         self._groups: dict[str, RequestGroup] = {}
         self._group_of: dict[str, tuple[RequestGroup, int]] = {}
@@ -92,25 +89,28 @@ class LLMEngine:
 
     # ------------------------------------------------------------- requests
     def apply_chat_template(self, messages: Sequence[dict], add_generation_prompt: bool = True,
-                            tools: list[dict] | None = None) -> str:
+                            tools: list[dict] | None = None, *, continue_final_message: bool = False) -> str:
+        """The prompt text; ``continue_final_message``: it ends inside the last message (assistant
+        prefill), which generation continues, instead of opening a new turn."""
         if self._chat is None:
             self._chat = ChatTemplate(self.tokenizer)
-        return _valid_text(self._chat.render(messages, add_generation_prompt=add_generation_prompt, tools=tools), "messages")
+        text = self._chat.render(messages, add_generation_prompt=add_generation_prompt, tools=tools,
+                                 continue_final_message=continue_final_message)
+        return _valid_text(text, "messages")
 
     def tokenize_chat(self, messages: Sequence[dict], add_generation_prompt: bool = True,
-                      tools: list[dict] | None = None) -> list[int]:
-        """Token ids of a conversation: the template's markup may hold special tokens, message content
-        never does (its text is tokenised without special-token parsing: no role injection)."""
+                      tools: list[dict] | None = None, *, continue_final_message: bool = False) -> list[int]:
+        """Token ids of a conversation, as transformers' ``apply_chat_template(tokenize=True)`` gives
+        them; special-token text in the caller's strings stays plain text (no role injection:
+        ChatTemplate.render_segments)."""
         if self._chat is None:
             self._chat = ChatTemplate(self.tokenizer)
-        segments = self._chat.render_segments(messages, add_generation_prompt=add_generation_prompt, tools=tools)
-        bos = self.tokenizer.bos_token_id
-        text = "".join(t for t, _ in segments)
-        add_bos = not (bos is not None and text.startswith(self.tokenizer.special_token(bos)))
-        ids: list[int] = []
-        for i, (piece, trusted) in enumerate(segments):
+        segments = self._chat.render_segments(messages, add_generation_prompt=add_generation_prompt, tools=tools,
+                                              continue_final_message=continue_final_message)
+        for piece, _ in segments:
             _valid_text(piece, "messages")
-            ids += self.tokenizer.encode(piece, add_special=add_bos and i == 0, parse_special=trusted)
+        # The template writes the BOS where the model wants one (transformers and vLLM add none either).
+        ids = encode_segments(self.tokenizer, segments, add_bos=False)
         if not ids:
             raise ValueError("messages render to an empty prompt")
         return ids
@@ -153,6 +153,8 @@ class LLMEngine:
                     priority: int = 0, timeout_s: float | None = None, prompt_ids: list[int] | None = None) -> str:
         """Queue a request (n choices); returns its id. Raises ValueError / QueueFullError."""
         params = params or SamplingParams()
+        if prompt_ids is not None:  # tokenised by the caller: the limits on the request itself still hold
+            self.check_params(params)
         ids = prompt_ids if prompt_ids is not None else self.validate_request(prompt, params)
         max_tokens = self.resolve_max_tokens(len(ids), params)
         if not self.has_room_for(params.n):
@@ -175,15 +177,30 @@ class LLMEngine:
 
         Raises ValueError without touching engine state, so a caller can check a whole batch first.
         """
-        params.check_vocab(self.tokenizer.vocab_size)
-        limit = self.config.scheduler.max_stop_string_chars
-        too_long = [s for s in params.stop if len(s) > limit]
-        if too_long:
-            raise ValueError(f"stop string of {len(too_long[0])} characters exceeds max_stop_string_chars ({limit})")
+        self.check_params(params)
         ids = self.tokenize_prompt(prompt)
         self.resolve_max_tokens(len(ids), params)
         self.structured.compile(params)
         return ids
+
+    def check_params(self, params: SamplingParams) -> None:
+        """The limits on a request's settings that need neither its prompt nor engine state: token ids in
+        the vocabulary, stop strings no longer than ``max_stop_string_chars``, the constraint's size and
+        depth. ValueError naming the field. Every path runs it: ``add_request`` (prompt ids given or
+        not), and the API process before it registers anything (AsyncLLM, ProcessEngine, which borrows
+        this method: it needs only ``config`` and ``tokenizer``)."""
+        params.check_vocab(self.tokenizer.vocab_size)
+        limit = self.config.scheduler.max_stop_string_chars
+        too_long = [s for s in params.stop if len(s) > limit]
+        if too_long:
+            raise ValueError(f"invalid stop=<a string of {len(too_long[0])} characters>: longer than this server's "
+                             f"max_stop_string_chars ({limit}); send shorter stop strings")
+        try:
+            key = params.constraint_key
+        except RecursionError:  # json.dumps of a schema nested past the interpreter's stack
+            raise ValueError("invalid json_schema=<nested too deeply to read>: flatten the JSON schema") from None
+        if key is not None:
+            check_constraint(key[0], key[1], constraint_limits(self.config))
 
     # ----------------------------------------------------------- embeddings
     def embedding_token_ids(self, inputs: Sequence[Prompt]) -> list[list[int]]:
@@ -576,6 +593,13 @@ class LLMEngine:
         if self.speculator is not None:
             self.speculator.close()
         self.backend.close()
+
+
+def constraint_limits(config: CllmConfig) -> ConstraintLimits:
+    """What one output constraint may cost, from ``config.structured``."""
+    sc = config.structured
+    return ConstraintLimits(max_text_bytes=sc.max_constraint_bytes, max_depth=sc.max_constraint_depth,
+                            compile_timeout_s=sc.grammar_compile_timeout_s, cache_bytes=sc.grammar_cache_mib << 20)
 
 
 def _raise_gc_threshold() -> None:

@@ -13,6 +13,12 @@ is merged on read, as AsyncLLM's); the core stops stepping while more than a bou
 messages are unread; an engine that dies (or a core process that exits) fails every stream with
 EngineDeadError and turns ``is_running`` false (``/health`` says 503).
 
+A core that dies is restarted by this process (a supervisor): the requests it held fail (their
+streams end with EngineDeadError, HTTP 503 / an error event), new requests get 503 while the new core
+loads, and then the server serves again. Restarts are bounded (RestartPolicy: at most
+``max_restarts`` within ``window_s``, waiting ``backoff_s`` doubled each time): past the bound the
+engine stays stopped and ``/health`` says 503, for a process supervisor (systemd, Kubernetes) to act.
+
 ``server.engine_process``: on, off, or auto (on for the torch backend on CUDA, where steps are a few
 milliseconds; off for llama.cpp and CPU backends, whose steps are long enough that the in-process
 thread costs nothing and one process holds the model once).
@@ -20,14 +26,18 @@ thread costs nothing and one process holds the model once).
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
+import dataclasses
 import itertools
 import logging
 import multiprocessing as mp
+import signal
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
+from multiprocessing.connection import Connection
 from typing import Any
 
 from cllm.backends.base import Backend, Tokenizer
@@ -36,18 +46,31 @@ from cllm.engine.async_llm import SETTLE_ITERATIONS, after_iterations, next_merg
 from cllm.engine.prompt_ids import prompt_token_ids
 from cllm.engine.core_protocol import (
     AbortRequest, AddRequest, Admitted, CoreFailed, CoreReady, CoreStopped, EmbedDone, EmbedRequest, Snapshot,
-    FrameReader, Settled, StepOutputs, StopCore, decode, unpack_output,
+    FrameReader, Settled, StepOutputs, StopCore, decode, encode, unpack_output,
 )
 from cllm.engine.engine_core import CoreSpec, Sender, run_engine_core
 from cllm.engine.llm_engine import LLMEngine, Prompt
 from cllm.engine.stats import EngineStats, RunningRequestInfo
 from cllm.errors import EngineDeadError, QueueFullError
-from cllm.outputs import EmbeddingOutput, RequestOutput
+from cllm.outputs import CompletionOutput, EmbeddingOutput, RequestMetrics, RequestOutput, Usage
 from cllm.sampling.params import SamplingParams
+from cllm.server.client_quota import payer_client
+from cllm.structured.limits import current_payer
 
 log = logging.getLogger("cllm.engine")
 MAX_MESSAGES_PER_WAKE = 64  # messages read per event-loop wake-up, so reading never starves the loop's other work
 JOIN_TIMEOUT_S = 10.0  # how long shutdown waits for the core to exit before killing it
+EXIT_WAIT_S = 2.0  # how long a core whose pipe closed may take to exit before it is killed (its exit code read)
+
+
+@dataclass(slots=True, frozen=True)
+class RestartPolicy:
+    """How the API process restarts a core that died: at most ``max_restarts`` within ``window_s``,
+    the k-th recent one after ``backoff_s * 2**k`` seconds; past that the engine stays stopped."""
+
+    max_restarts: int = 3  # restarts (tries included) within the window; 0 = never restart
+    window_s: float = 600.0  # how far back restarts count
+    backoff_s: float = 1.0  # wait before the first restart of a window (doubled for each later one)
 
 
 def wants_engine_process(config: CllmConfig) -> bool:
@@ -94,25 +117,19 @@ class ProcessEngine:
     # The prompt checks of the in-process engine, reused as they are: they need only ``tokenizer``,
     # ``config``, ``max_model_len`` and a ``_chat`` slot, which this class has.
     tokenize_prompt = LLMEngine.tokenize_prompt
+    check_params = LLMEngine.check_params
     tokenize_chat = LLMEngine.tokenize_chat
     apply_chat_template = LLMEngine.apply_chat_template
     resolve_max_tokens = LLMEngine.resolve_max_tokens
 
-    def __init__(self, config: CllmConfig, backend_factory: Callable[[], Backend] | None = None) -> None:
+    def __init__(self, config: CllmConfig, backend_factory: Callable[[], Backend] | None = None, *,
+                 restart: RestartPolicy = RestartPolicy(), join_timeout_s: float = JOIN_TIMEOUT_S) -> None:
         self.config = config
         self._chat = None
-        context = mp.get_context("spawn")  # CUDA cannot be used in a forked child
-        commands_out, commands_in = context.Pipe(duplex=False)
-        outputs_out, outputs_in = context.Pipe(duplex=False)
-        self._process = context.Process(target=run_engine_core, name="cllm-engine-core", daemon=True,
-                                        args=(CoreSpec(config, backend_factory), commands_out, outputs_in))
-        self._process.start()
-        commands_out.close()  # the child's ends
-        outputs_in.close()
-        _shrink_pipe(outputs_out.fileno())
-        self._outputs = outputs_out
-        self._commands = Sender(commands_in)
-        ready = self._wait_ready()
+        self._backend_factory = backend_factory
+        self.restart_policy = restart
+        self._join_timeout_s = join_timeout_s
+        self._process, self._outputs, self._commands, ready = _spawn_core(config, backend_factory, join_timeout_s)
         self.tokenizer: Tokenizer = ready.tokenizer if ready.tokenizer is not None else _load_tokenizer(config)
         self.max_model_len = ready.max_model_len
         self.model_name = ready.model_name
@@ -126,30 +143,21 @@ class ProcessEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._reader: FrameReader | None = None  # the core's messages, once start() bound us to a loop
         self._accepting = True
-        self._dead: BaseException | None = None
+        self._dead: EngineDeadError | None = None  # why no request can run now (the core died; maybe restarting)
         self._stopped = False  # the core said CoreStopped (or its pipe closed)
-
-    def _wait_ready(self) -> CoreReady:
-        """The core's first message; a load failure (or a core that exits while loading) raises."""
-        try:
-            while not self._outputs.poll(0.5):
-                if not self._process.is_alive():
-                    raise EOFError
-            message = decode(self._outputs.recv_bytes())
-        except EOFError:
-            self._process.join(JOIN_TIMEOUT_S)
-            raise RuntimeError(f"the engine process exited with code {self._process.exitcode} while loading the model") from None
-        if isinstance(message, CoreFailed):
-            self._process.join(JOIN_TIMEOUT_S)
-            if message.in_thread_ok:
-                raise EngineProcessUnavailable(f"the engine cannot run in its own process: {message.error}")
-            raise RuntimeError(f"the engine process could not load the model: {message.error}")
-        return message
+        self._restarts: collections.deque[float] = collections.deque()  # when recent restarts began
+        self._restart_task: asyncio.Task | None = None
+        self.num_restarts = 0  # cores started after the first (for /v1/engine and the tests)
 
     # ------------------------------------------------------------------ info
     @property
     def is_running(self) -> bool:
         return self._dead is None and not self._stopped and self._process.is_alive()
+
+    @property
+    def restarting(self) -> bool:
+        """A new core is being started after one died."""
+        return self._restart_task is not None and not self._restart_task.done()
 
     def stats(self) -> EngineStats:
         """The engine's stats as of the latest snapshot the core sent (at most PUBLISH_EVERY_S old while busy)."""
@@ -176,14 +184,24 @@ class ProcessEngine:
         params = params or SamplingParams()
         rid = self._admit_checks(params, request_id)
         self.start()
+        # Everything the core would refuse is refused here, before anything is registered: a request
+        # the core cannot take must never hold a stream or a place in max_waiting.
+        self.check_params(params)
         ids = await prompt_token_ids(self.tokenize_prompt, prompt)
         self.resolve_max_tokens(len(ids), params)
-        params.check_vocab(self.tokenizer.vocab_size)
         self._admit_checks(params, rid)  # the core may have died, or the id been taken, meanwhile
+        message = _encode_add(AddRequest(rid, prompt, params, priority, timeout_s, ids, payer_client(current_payer())))
         stream = _Stream(asyncio.Queue(), on_queued, prompt, ids)
         self._streams[rid] = stream
         self._pending += params.n
-        self._commands.send(AddRequest(rid, prompt, params, priority, timeout_s, ids))
+        sent = False
+        try:
+            self._commands.send_encoded(message)
+            sent = True
+        finally:
+            if not sent:  # nothing reached the core: nothing will answer for these
+                self._streams.pop(rid, None)
+                self._pending -= params.n
         async with contextlib.aclosing(self._consume(rid, stream)) as outputs:  # closing us aborts at once
             async for out in outputs:
                 yield out
@@ -201,10 +219,7 @@ class ProcessEngine:
             self._streams.pop(rid, None)
 
     def _admit_checks(self, params: SamplingParams, request_id: str | None) -> str:
-        if self._dead is not None:
-            raise EngineDeadError(f"engine stopped: {self._dead}")
-        if not self._accepting or self._stopped:
-            raise EngineDeadError("server is shutting down")
+        self._check_alive()
         rid = request_id or f"req-{uuid.uuid4().hex[:16]}"
         if rid in self._streams:
             raise ValueError(f"request_id {rid!r} is already in use")
@@ -213,16 +228,20 @@ class ProcessEngine:
             raise QueueFullError(f"waiting queue is full ({limit} requests); retry later")
         return rid
 
+    def _check_alive(self) -> None:
+        if self._dead is not None:
+            raise EngineDeadError(str(self._dead))
+        if not self._accepting or self._stopped:
+            raise EngineDeadError("server is shutting down")
+
     async def abort(self, request_id: str) -> None:
-        self._commands.send(AbortRequest(request_id))
+        if self.is_running:
+            self._commands.send(AbortRequest(request_id))
 
     async def embed(self, inputs: Prompt | Sequence[Prompt]) -> list[EmbeddingOutput]:
         """Embeddings in input order (see AsyncLLM.embed); the core validates the inputs and batches
         concurrent calls into one backend pass."""
-        if self._dead is not None:
-            raise EngineDeadError(f"engine stopped: {self._dead}")
-        if not self._accepting or self._stopped:
-            raise EngineDeadError("server is shutting down")
+        self._check_alive()
         self.start()
         items = [inputs] if isinstance(inputs, str) else list(inputs)
         if items and all(isinstance(t, int) for t in items):
@@ -230,8 +249,8 @@ class ProcessEngine:
         job_id = next(self._job_ids)
         future = asyncio.get_running_loop().create_future()
         self._embeds[job_id] = future
-        self._commands.send(EmbedRequest(job_id, items))
         try:
+            self._commands.send(EmbedRequest(job_id, items))
             return await future
         finally:
             self._embeds.pop(job_id, None)
@@ -251,7 +270,17 @@ class ProcessEngine:
             self._loop.call_soon(self._on_readable)  # the rest of what was read, after the loop's other work
             return
         if self._reader.at_eof and not self._stopped:  # the core exited without a word: it died, unless shut down
-            self._core_gone(f"the engine process exited (code {self._process.exitcode})" if self._accepting else None)
+            self._core_gone(f"the engine process {self._exit_text()}" if self._accepting else None)
+
+    def _exit_text(self) -> str:
+        """How the core's process ended ("exited with code 1", "was killed by SIGKILL"): its pipe closed,
+        so it is exiting; waited for briefly (a real exit code, not None), killed if it lingers."""
+        self._process.join(EXIT_WAIT_S)
+        if self._process.exitcode is None:
+            self._process.kill()
+            self._process.join(EXIT_WAIT_S)
+            return "closed its pipe and was killed"
+        return _exit_words(self._process.exitcode)
 
     def _handle(self, message: object) -> None:
         if isinstance(message, StepOutputs):
@@ -262,7 +291,8 @@ class ProcessEngine:
             if message.snapshot is not None:
                 self._snapshot = message.snapshot
             # settled once the streams' tasks have run it through (see engine_core.MAX_UNSETTLED)
-            after_iterations(self._loop, SETTLE_ITERATIONS, self._settled)
+            commands = self._commands  # settled to the core that sent it (not to one restarted meanwhile)
+            after_iterations(self._loop, SETTLE_ITERATIONS, lambda: self._settled(commands))
         elif isinstance(message, Admitted):
             self._admitted(message)
         elif isinstance(message, EmbedDone):
@@ -270,9 +300,9 @@ class ProcessEngine:
         elif isinstance(message, CoreStopped):
             self._core_gone(message.error)
 
-    def _settled(self) -> None:
-        if not self._stopped:
-            self._commands.send(Settled())
+    def _settled(self, commands: Sender) -> None:
+        if not self._stopped and commands is self._commands:
+            commands.send(Settled())
 
     @staticmethod
     def _unpack(packed: tuple, stream: _Stream) -> RequestOutput:
@@ -290,6 +320,8 @@ class ProcessEngine:
             return  # the caller gave up before the core queued it (its abort follows the add)
         if message.error is not None:
             stream.queue.put_nowait(message.error)
+        elif message.aborted:  # aborted while its grammar compiled: it ends as an aborted request does
+            stream.queue.put_nowait(_aborted_output(message.request_id, message.num_sequences, stream))
         elif stream.on_queued is not None:
             stream.on_queued()
 
@@ -303,7 +335,9 @@ class ProcessEngine:
             future.set_result(message.result)
 
     def _core_gone(self, error: str | None) -> None:
-        """The core ended: a fatal error (every stream fails with it) or the end of a shutdown."""
+        """The core ended: a fatal error (every stream fails with it; a restart may follow) or the end
+        of a shutdown. Nothing of the dead core stays: its requests' streams, its embed calls, the
+        places counted for its adds, its stats snapshot (no phantom running requests)."""
         if self._stopped:
             return
         self._stopped = True
@@ -317,21 +351,70 @@ class ProcessEngine:
             stream.queue.put_nowait(failure)
         for future in self._embeds.values():
             if not future.done():
-                future.set_exception(EngineDeadError("engine stopped before the embedding ran"))
+                future.set_exception(EngineDeadError(f"{failure}: the embedding did not run"))
+        self._pending = 0
+        self._snapshot = _idle_snapshot(self._snapshot)
+        if error is not None and self._accepting:
+            self._maybe_restart()
+
+    # ------------------------------------------------------------- restarts
+    def _maybe_restart(self) -> None:
+        """Start a new core after ``backoff``, unless the policy's restarts in its window are used up."""
+        policy = self.restart_policy
+        now = time.monotonic()
+        while self._restarts and self._restarts[0] < now - policy.window_s:
+            self._restarts.popleft()
+        if len(self._restarts) >= policy.max_restarts or self._loop is None:
+            if policy.max_restarts:
+                log.error("the engine core died %d times within %.0f s: not restarting it; the server stays "
+                          "unhealthy (/health 503) until it is restarted", len(self._restarts) + 1, policy.window_s)
+            return
+        delay = policy.backoff_s * 2 ** len(self._restarts)
+        self._restarts.append(now)
+        self._dead = EngineDeadError(f"{self._dead}; restarting the engine (in {delay:g} s)")
+        log.warning("restarting the engine core in %g s (restart %d of at most %d within %.0f s)", delay,
+                    len(self._restarts), policy.max_restarts, policy.window_s)
+        self._restart_task = self._loop.create_task(self._restart(delay))
+
+    async def _restart(self, delay: float) -> None:
+        await asyncio.sleep(delay)
+        if not self._accepting:
+            return
+        try:
+            process, outputs, commands, ready = await asyncio.to_thread(
+                _spawn_core, self.config, self._backend_factory, self._join_timeout_s)
+        except Exception as err:  # a load that fails counts as a restart; the policy decides on another
+            log.error("restarting the engine core failed: %s", err)
+            self._dead = EngineDeadError(f"engine stopped: restarting it failed: {err}")
+            self._maybe_restart()
+            return
+        self._commands.close(timeout_s=1.0)
+        self._outputs.close()
+        self._process, self._outputs, self._commands = process, outputs, commands
+        self._snapshot = ready.snapshot
+        self._reader = FrameReader(outputs.fileno())
+        self._loop.add_reader(outputs.fileno(), self._on_readable)
+        self._stopped = False
+        self._dead = None
+        self.num_restarts += 1
+        log.warning("the engine core was restarted (pid %d)", process.pid)
 
     # ------------------------------------------------------------- shutdown
     async def shutdown(self, grace_s: float = 0.0) -> None:
         """Stop admitting; let in-flight requests finish for up to ``grace_s``; then the core aborts the
         rest, frees the engine and exits (killed if it has not after JOIN_TIMEOUT_S)."""
         self._accepting = False
+        if self._restart_task is not None:  # a new core loading: it is stopped as any other
+            with contextlib.suppress(Exception):
+                await self._restart_task
         deadline = time.monotonic() + grace_s
         while self._streams and self.is_running and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
         if self._process.is_alive():
             self._commands.send(StopCore())
-        await asyncio.to_thread(self._process.join, JOIN_TIMEOUT_S)
+        await asyncio.to_thread(self._process.join, self._join_timeout_s)
         if self._process.is_alive():
-            log.warning("the engine process did not exit %.0f s after being asked to; killing it", JOIN_TIMEOUT_S)
+            log.warning("the engine process did not exit %.0f s after being asked to; killing it", self._join_timeout_s)
             self._process.kill()
             await asyncio.to_thread(self._process.join, JOIN_TIMEOUT_S)
         deadline = time.monotonic() + 2.0
@@ -341,6 +424,96 @@ class ProcessEngine:
         self._core_gone(None)
         self._commands.close(timeout_s=1.0)
         self._outputs.close()
+
+
+def _spawn_core(config: CllmConfig, backend_factory: Callable[[], Backend] | None,
+                join_timeout_s: float) -> tuple[Any, Connection, Sender, CoreReady]:
+    """Start a core process and wait until its engine is loaded (blocking): its process, the end its
+    outputs come from, the sender of its commands, its CoreReady. A load failure raises."""
+    context = mp.get_context("spawn")  # CUDA cannot be used in a forked child
+    commands_out, commands_in = context.Pipe(duplex=False)
+    outputs_out, outputs_in = context.Pipe(duplex=False)
+    process = context.Process(target=run_engine_core, name="cllm-engine-core", daemon=True,
+                              args=(CoreSpec(config, backend_factory), commands_out, outputs_in))
+    process.start()
+    commands_out.close()  # the child's ends
+    outputs_in.close()
+    _shrink_pipe(outputs_out.fileno())
+    commands = Sender(commands_in)
+    try:
+        ready = _wait_ready(process, outputs_out, join_timeout_s)
+    except BaseException:
+        commands.close(timeout_s=1.0)
+        outputs_out.close()
+        raise
+    return process, outputs_out, commands, ready
+
+
+def _wait_ready(process: Any, outputs: Connection, join_timeout_s: float) -> CoreReady:
+    """The core's first message; a load failure (or a core that exits while loading) raises."""
+    try:
+        while not outputs.poll(0.5):
+            if not process.is_alive():
+                raise EOFError
+        message = decode(outputs.recv_bytes())
+    except EOFError:
+        process.join(join_timeout_s)
+        raise RuntimeError(f"the engine process {_exit_words(process.exitcode)} while loading the model") from None
+    if isinstance(message, CoreFailed):
+        process.join(join_timeout_s)
+        if message.in_thread_ok:
+            raise EngineProcessUnavailable(f"the engine cannot run in its own process: {message.error}")
+        raise RuntimeError(f"the engine process could not load the model: {message.error}")
+    return message
+
+
+def _exit_words(code: int | None) -> str:
+    if code is None:
+        return "did not exit"
+    if code < 0:
+        with contextlib.suppress(ValueError):
+            return f"was killed by {signal.Signals(-code).name}"
+        return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+def _encode_add(message: AddRequest) -> bytes:
+    """The AddRequest pickled, or a ValueError (HTTP 400) naming the field that cannot be sent to the core
+    (nested past the interpreter's stack, an object pickle refuses)."""
+    try:
+        return encode(message)
+    except Exception as err:  # RecursionError, PicklingError, TypeError …: this request's content
+        field = next((name for name in ("prompt", *SAMPLING_FIELDS) if _unpicklable(message, name)), "request")
+        raise ValueError(f"invalid {field}=<cannot be sent to the engine process: {type(err).__name__}>: the "
+                         f"request holds a value nested too deeply or of an unsupported kind; simplify it") from None
+
+
+SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
+
+
+def _unpicklable(message: AddRequest, name: str) -> bool:
+    value = message.prompt if name == "prompt" else getattr(message.params, name)
+    try:
+        encode(value)
+    except Exception:
+        return True
+    return False
+
+
+def _aborted_output(request_id: str, n: int, stream: _Stream) -> RequestOutput:
+    """The final output of a request aborted before it reached the engine (its grammar compiling)."""
+    choices = [CompletionOutput(i, "", [], "abort") for i in range(n)]
+    now = time.monotonic()
+    return RequestOutput(request_id, stream.prompt if isinstance(stream.prompt, str) else None, stream.prompt_ids,
+                         choices, True, Usage(len(stream.prompt_ids), 0, 0), RequestMetrics(now, finished_time=now))
+
+
+def _idle_snapshot(snapshot: Snapshot) -> Snapshot:
+    """A dead core's stats with nothing live in them (its counters kept): no request runs, waits or
+    holds a slot once the core is gone."""
+    stats = dataclasses.replace(snapshot[0], num_running=0, num_waiting=0, num_preempted=0, slots_in_use=0,
+                                kv_usage=0.0, tokens_per_s=0.0)
+    return stats, []
 
 
 def _shrink_pipe(fd: int) -> None:
@@ -364,4 +537,5 @@ def _load_tokenizer(config: CllmConfig) -> Tokenizer:
     from cllm.backends.llama_cpp.tokenizer import LlamaCppTokenizer
     from cllm.model_path import resolve_model_path
 
-    return LlamaCppTokenizer(model=LlamaModelHandle(path=resolve_model_path(config.model.model), vocab_only=True))
+    return LlamaCppTokenizer(model=LlamaModelHandle(path=resolve_model_path(config.model.model), vocab_only=True),
+                             chat_template=config.model.chat_template)

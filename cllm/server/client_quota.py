@@ -13,8 +13,9 @@ from dataclasses import dataclass
 
 from starlette.requests import Request
 
+from cllm.config import CllmConfig
 from cllm.server.errors import APIError, bad_request
-from cllm.structured.limits import charge_compiles_to
+from cllm.structured.limits import CompilePayer, charge_compiles_to
 
 # How long a client over its share should wait before retrying (its own requests must finish first).
 CLIENT_RETRY_AFTER_S = 2
@@ -75,8 +76,12 @@ class ClientQuota:
         lease = self._acquire(client, num_sequences)
         # The request's cold grammar compiles (run later, in a thread that inherits this context)
         # are charged to this client too (issue 27 item 12).
-        charge_compiles_to(_ClientCompiles(self, client))
+        charge_compiles_to(self.payer(client))
         return lease, priority or 0
+
+    def payer(self, client: str) -> CompilePayer:
+        """The CompilePayer charging ``client``'s share of cold compiles."""
+        return _ClientCompiles(self, client)
 
     def _acquire(self, client: str, count: int) -> ClientLease:
         cap = self.policy.max_sequences_per_client
@@ -128,6 +133,22 @@ class ClientQuota:
                 else:
                     self._compiling.pop(client, None)
         return release
+
+
+def compile_quota(config: CllmConfig) -> ClientQuota | None:
+    """The compile counts of an engine core in its own process (engine_core.py): there the compiles run,
+    so there they are counted, per client as the API process names it (``payer_client``), against
+    ``server.max_compiles_per_client``; None when there is no cap."""
+    cap = config.server.max_compiles_per_client
+    if cap is None:
+        return None
+    return ClientQuota(AdmissionPolicy(max_sequences_per_request=1, max_sequences_per_client=None,
+                                       allow_client_priority=False, max_compiles_per_client=cap))
+
+
+def payer_client(payer: CompilePayer | None) -> str | None:
+    """The client a request's compiles are charged to (what the API process tells its engine core)."""
+    return payer.client if isinstance(payer, _ClientCompiles) else None
 
 
 @dataclass(slots=True, frozen=True)

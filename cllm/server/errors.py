@@ -62,12 +62,22 @@ class APIError(Exception):
         self.code = code
         self.headers = headers or {}
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Pickled whole (the default would call APIError(message)): a 429 raised in the engine core's
+        # process (its per-client compile quota) reaches the API process as the same response.
+        return _api_error, (self.status, self.message, self.type, self.param, self.code, self.headers)
+
     def body(self) -> dict[str, Any]:
         """The JSON body: ``{"error": {...}}``."""
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def _api_error(status: int, message: str, type: str, param: str | None, code: str | None,
+               headers: dict[str, str]) -> APIError:
+    return APIError(status, message, type=type, param=param, code=code, headers=headers)
 
 
 def bad_request(message: str, *, param: str | None = None, code: str | None = None) -> APIError:

@@ -75,6 +75,11 @@ class GrammarCache:
             future = self._start(key, params)
         return self._wait(key, future)
 
+    def is_cached(self, key: tuple[str, str]) -> bool:
+        """Whether ``key``'s grammar is compiled and kept (a ``get`` would return at once)."""
+        with self._lock:
+            return key in self._compiled
+
     def _start(self, key: tuple[str, str], params: SamplingParams) -> concurrent.futures.Future:
         check_constraint(key[0], key[1], self.limits)  # before any work: 400 for a hostile body
         self.compiler()  # the one-time vocabulary scan is not the constraint's compile time

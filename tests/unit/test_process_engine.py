@@ -20,7 +20,7 @@ import pytest
 from cllm.bench.null_backend import NullBackend
 from cllm.config import load_config
 from cllm.engine.core_protocol import FrameReader, pack_output, unpack_output
-from cllm.engine.process_engine import EngineProcessUnavailable, ProcessEngine, wants_engine_process
+from cllm.engine.process_engine import EngineProcessUnavailable, ProcessEngine, RestartPolicy, wants_engine_process
 from cllm.errors import ContextLengthError, EngineDeadError
 from cllm.outputs import CompletionOutput, RequestMetrics, RequestOutput, Usage
 from cllm.sampling.params import SamplingParams
@@ -49,10 +49,11 @@ class UnsendableTokenizerBackend(NullBackend):
         self._tok.lock = threading.Lock()
 
 
-def _engine(backend=functools.partial(NullBackend, slots=8, step_ms=1.0), **overrides: object) -> ProcessEngine:
+def _engine(backend=functools.partial(NullBackend, slots=8, step_ms=1.0), *, restart: RestartPolicy | None = None,
+            join_timeout_s: float = 10.0, **overrides: object) -> ProcessEngine:
     config = load_config(None, environ={}, n_seq_max=8, max_waiting=64, engine_process="on", log_level="warning",
                          **overrides)
-    return ProcessEngine(config, backend)
+    return ProcessEngine(config, backend, restart=restart or RestartPolicy(max_restarts=0), join_timeout_s=join_timeout_s)
 
 
 async def _collect(engine: ProcessEngine, prompt: object, params: SamplingParams = GREEDY) -> list[RequestOutput]:
@@ -132,32 +133,81 @@ def test_bad_input_fails_before_queueing_and_core_errors_reach_the_caller() -> N
 
 
 def test_a_core_that_dies_fails_its_streams_and_stops_running() -> None:
-    engine = _engine(backend=functools.partial(DyingBackend, 3, slots=8))
+    engine = _engine(backend=functools.partial(DyingBackend, 3, slots=8), restart=RestartPolicy(max_restarts=0))
 
     async def run() -> None:
         try:
-            with pytest.raises(EngineDeadError, match="device lost"):
+            with pytest.raises(EngineDeadError, match="device lost") as died:
                 await _collect(engine, [300, 301])
-            assert not engine.is_running
-            with pytest.raises(EngineDeadError):
+            assert str(died.value).count("engine stopped") == 1  # was "engine stopped: engine stopped: …"
+            assert not engine.is_running and not engine.restarting
+            with pytest.raises(EngineDeadError) as refused:
                 await _collect(engine, [300, 301])
+            assert str(refused.value).count("engine stopped") == 1 and "device lost" in str(refused.value)
         finally:
             await engine.shutdown()
     asyncio.run(run())
 
 
-def test_a_killed_core_process_fails_its_streams() -> None:
-    engine = _engine(backend=functools.partial(NullBackend, slots=8, step_ms=5.0))
+async def _wait_for(condition: object, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.02)
+
+
+def test_a_killed_core_is_restarted_failing_only_its_in_flight_requests() -> None:
+    """The supervisor: a core killed mid-stream fails the streams it held (the real exit, said once),
+    leaves no phantom running request in the stats, answers 503 while the new core loads, and then
+    serves again."""
+    engine = _engine(backend=functools.partial(NullBackend, slots=8, step_ms=5.0),
+                     restart=RestartPolicy(max_restarts=2, backoff_s=0.2))
 
     async def run() -> None:
         try:
-            stream = engine.generate([300], SamplingParams(max_tokens=5000, temperature=0.0, ignore_eos=True))
-            await stream.__anext__()
+            params = SamplingParams(max_tokens=5000, temperature=0.0, ignore_eos=True)
+            streams = [engine.generate([300 + i], params) for i in range(3)]
+            for stream in streams:
+                await stream.__anext__()
+            await _wait_for(lambda: engine.stats().num_running == 3)
+            first_pid = engine._process.pid
+            os.kill(first_pid, signal.SIGKILL)
+            for stream in streams:
+                with pytest.raises(EngineDeadError) as died:
+                    async for _ in stream:
+                        pass
+                text = str(died.value)
+                assert "killed by SIGKILL" in text and text.count("engine stopped") == 1 and "None" not in text
+            assert engine.stats().num_running == 0 and engine.running_requests() == []  # no dead snapshot
+            assert not engine.is_running and engine.restarting
+            with pytest.raises(EngineDeadError, match="restarting"):
+                await _collect(engine, [300])
+            await _wait_for(lambda: engine.is_running)
+            assert engine._process.pid != first_pid and engine.num_restarts == 1
+            outs = await _collect(engine, [300, 301])
+            assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "length"
+        finally:
+            await engine.shutdown()
+    asyncio.run(run())
+    assert not engine._process.is_alive()
+
+
+def test_restarts_are_bounded_then_the_engine_stays_stopped() -> None:
+    engine = _engine(backend=functools.partial(NullBackend, slots=8, step_ms=5.0),
+                     restart=RestartPolicy(max_restarts=1, backoff_s=0.05, window_s=600))
+
+    async def run() -> None:
+        try:
+            engine.start()
             os.kill(engine._process.pid, signal.SIGKILL)
-            with pytest.raises(EngineDeadError, match="exited"):
-                async for _ in stream:
-                    pass
-            assert not engine.is_running
+            await _wait_for(lambda: not engine.is_running)
+            await _wait_for(lambda: engine.is_running)  # restarted once
+            os.kill(engine._process.pid, signal.SIGKILL)
+            await _wait_for(lambda: not engine.is_running)
+            await asyncio.sleep(0.5)  # several backoffs: no second restart comes
+            assert not engine.is_running and not engine.restarting and engine.num_restarts == 1
+            with pytest.raises(EngineDeadError, match="killed by SIGKILL"):
+                await _collect(engine, [300])
         finally:
             await engine.shutdown()
     asyncio.run(run())
