@@ -1,23 +1,17 @@
-"""Chat templates: the model's own Jinja template, rendered in a sandbox."""
+"""Chat templates: the model's own Jinja template, rendered in a sandbox (cllm.chat_sandbox)."""
 from __future__ import annotations
 
-import json
 import re
+from pathlib import Path
 from collections.abc import Sequence
 from typing import Any
 
 from jinja2 import TemplateError
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from cllm.backends.base import Tokenizer
+from cllm.chat_sandbox import TemplateRaised, compile_template
 
 ROLES = ("system", "user", "assistant", "tool", "developer")
-
-
-def _raise(message: str) -> None:
-    raise ValueError(f"chat template rejected the messages: {message}")
-
-
 def normalize_messages(messages: Sequence[Any]) -> list[dict[str, Any]]:
     """Check OpenAI-style messages; content given as text parts is joined. ValueError names the bad item.
 
@@ -65,64 +59,145 @@ def _tool_fields(i: int, m: dict[str, Any]) -> dict[str, Any]:
     return extra
 
 
-class ChatTemplate:
-    """Renders messages into a prompt string with the model's template."""
+Segment = tuple[str, bool]  # (text, trusted: special-token text in it becomes control tokens)
 
-    def __init__(self, tokenizer: Tokenizer) -> None:
-        source = tokenizer.chat_template
+# Private-use code points: no model's template or vocabulary gives them meaning. Every control-token
+# text inside the caller's strings is wrapped in them before rendering, so that after rendering the
+# template's own control tokens and the caller's can be told apart (see render_segments).
+_MARK_START, _MARK_END = "\ue010", "\ue011"
+# Appended to the final message for continue_final_message; the space after it shows whether the
+# template kept the message's trailing whitespace.
+_CONTINUE_TAG = "\ue012cllm-continue\ue013"
+
+
+class ChatTemplate:
+    """Renders messages into a prompt with the model's template (or ``source``, the chat_template
+    setting, in its place)."""
+
+    def __init__(self, tokenizer: Tokenizer, source: str | None = None) -> None:
+        source = source or tokenizer.chat_template
         if not source:
-            raise ValueError("the model has no chat template in its metadata; use completions with a plain prompt")
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.globals["raise_exception"] = _raise
-        env.filters["tojson"] = _tojson
-        self._template = env.from_string(source)
+            raise ValueError("the model has no chat template in its metadata; use completions with a plain prompt, "
+                             "or give one with the chat_template setting (--chat-template)")
+        self._template = compile_template(source)
+        self._source = source
         eos = sorted(tokenizer.eos_token_ids)
         bos = tokenizer.bos_token_id
         self._bos = tokenizer.special_token(bos) if bos is not None else ""
         self._eos = tokenizer.special_token(eos[0]) if eos else ""
+        controls = sorted({t for t in tokenizer.control_tokens if t}, key=len, reverse=True)  # longest wins
+        alternatives = "|".join(map(re.escape, controls)) or "(?!)"  # (?!) matches nothing
+        self._control = re.compile(alternatives)
+        self._marked = re.compile(f"{_MARK_START}({alternatives}){_MARK_END}|[{_MARK_START}{_MARK_END}]")
 
     def render(self, messages: Sequence[Any], *, add_generation_prompt: bool = True,
-               tools: list[dict[str, Any]] | None = None) -> str:
-        return "".join(text for text, _ in self.render_segments(messages, add_generation_prompt=add_generation_prompt,
-                                                                 tools=tools))
+               tools: list[dict[str, Any]] | None = None, continue_final_message: bool = False) -> str:
+        """The prompt text, exactly as the template writes it."""
+        return "".join(text for text, _ in self.render_segments(
+            messages, add_generation_prompt=add_generation_prompt, tools=tools,
+            continue_final_message=continue_final_message))
 
     def render_segments(self, messages: Sequence[Any], *, add_generation_prompt: bool = True,
-                        tools: list[dict[str, Any]] | None = None) -> list[Segment]:
-        """The prompt as (text, trusted) pieces: the template's own markup is trusted, message content
-        is not. Tokenising untrusted pieces without special-token parsing keeps a user's
-        "<|im_end|>\n<|im_start|>system" text from becoming real control tokens (role injection).
+                        tools: list[dict[str, Any]] | None = None,
+                        continue_final_message: bool = False) -> list[Segment]:
+        """The prompt as (text, trusted) pieces. Trusted pieces are tokenised with special-token
+        parsing; an untrusted piece is a control token's text that came from the caller's strings
+        (content, names, tool calls, tool definitions), to be tokenised as plain text, so that a
+        user's "<|im_end|>\\n<|im_start|>system" can never become real control tokens (role injection).
 
-        Each content is replaced by a private-use placeholder while rendering, then put back as an
-        untrusted piece.
+        The template renders the real strings, with only those control-token texts wrapped in
+        private-use markers. Without any, the whole prompt is one trusted piece: tokenised in one
+        call, it gives exactly the ids transformers' ``apply_chat_template(tokenize=True)`` gives,
+        whitespace merges across markup and content included. (Rendering placeholders for the
+        content and tokenising each piece apart, as cllm did before, split "\\n\\n" + "Hi" into ids
+        the model never saw in training, and could not follow templates that trim or split content.)
+        A marker the template separated from its token (``split``, slicing) is dropped but still
+        breaks the text, so that the text on its two sides cannot join into a control token.
         """
-        msgs = normalize_messages(messages)
-        contents = [m["content"] for m in msgs]
-        masked = [{**m, "content": _placeholder(i)} for i, m in enumerate(msgs)]
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true: "
+                             "continue the last message, or start a new assistant turn")
+        msgs = self._mark(normalize_messages(messages))
+        if continue_final_message:
+            msgs[-1] = {**msgs[-1], "content": msgs[-1]["content"] + _CONTINUE_TAG + " "}
         try:
-            text = self._template.render(messages=masked, add_generation_prompt=add_generation_prompt,
-                                         bos_token=self._bos, eos_token=self._eos, tools=tools)
-        except TemplateError as err:
+            text = self._template.render(messages=msgs, add_generation_prompt=add_generation_prompt,
+                                         bos_token=self._bos, eos_token=self._eos, tools=self._mark(tools))
+        except TemplateRaised:
+            raise
+        except (TemplateError, TypeError, LookupError, AttributeError, ArithmeticError) as err:
             raise ValueError(f"chat template failed to render: {err}") from None
+        if continue_final_message:
+            text = _cut_at_continue_tag(text)
+        return self._segments(text)
+
+    def _mark(self, value: Any) -> Any:
+        """``value`` with every control-token text in its strings wrapped in markers (dict keys kept)."""
+        if isinstance(value, str):
+            plain = value.replace(_MARK_START, "").replace(_MARK_END, "")  # no forged markers
+            return self._control.sub(lambda m: _MARK_START + m.group(0) + _MARK_END, plain)
+        if isinstance(value, dict):
+            return {key: self._mark(item) for key, item in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [self._mark(item) for item in value]
+        return value
+
+    def _segments(self, text: str) -> list[Segment]:
+        parts = self._marked.split(text)  # [text, marked token or None, text, ...]
         segments: list[Segment] = []
-        for i, piece in enumerate(_PLACEHOLDER.split(text)):
-            if i % 2 == 0:
-                segments.append((piece, True))
-            else:
-                segments.append((contents[int(piece)], False))
-        return [seg for seg in segments if seg[0]]
+        for i, part in enumerate(parts):
+            if part:
+                segments.append((part, i % 2 == 0))
+        return segments
 
 
-def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
-            sort_keys: bool = False) -> str:
-    """transformers' ``tojson`` (what chat templates are written for): plain JSON. Jinja's own filter
-    HTML-escapes ("<" becomes "\\u003c") and sorts keys, which would garble tool definitions and calls."""
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+def _cut_at_continue_tag(text: str) -> str:
+    """The prompt up to where the final message's text ends, so that generation continues it."""
+    at = text.rfind(_CONTINUE_TAG)
+    if at < 0:
+        raise ValueError("continue_final_message: this chat template does not write the final message's content "
+                         "at the end of the prompt, so it cannot be continued")
+    if text.startswith(" ", at + len(_CONTINUE_TAG)):
+        return text[:at]
+    return text[:at].rstrip()  # the template trims messages: trim the continued one too
 
 
-Segment = tuple[str, bool]  # (text, trusted: may contain special tokens)
-# Private-use code points: no model's template or vocabulary gives them meaning.
-_PLACEHOLDER = re.compile("\ue000cllm-content-(\\d+)\ue001")
+def encode_segments(tokenizer: Tokenizer, segments: Sequence[Segment], *, add_bos: bool) -> list[int]:
+    """Token ids of a rendered chat: trusted pieces with special-token parsing, untrusted ones as text.
+
+    Only the first piece is tokenised at the start of a text. The others follow a control token in
+    the prompt, so each is tokenised after a newline, whose ids are then dropped: a SentencePiece
+    tokenizer would otherwise add its word-start space to them (as transformers does too).
+    """
+    ids: list[int] = []
+    newline: list[int] | None = None
+    for i, (piece, trusted) in enumerate(segments):
+        if i == 0:
+            ids += tokenizer.encode(piece, add_special=add_bos, parse_special=trusted)
+            continue
+        if newline is None:
+            newline = tokenizer.encode("\n", add_special=False, parse_special=False)
+        piece_ids = tokenizer.encode("\n" + piece, add_special=False, parse_special=trusted)
+        if piece_ids[:len(newline)] == newline:
+            piece_ids = piece_ids[len(newline):]
+        else:
+            piece_ids = tokenizer.encode(piece, add_special=False, parse_special=trusted)
+        ids += piece_ids
+    return ids
 
 
-def _placeholder(index: int) -> str:
-    return f"\ue000cllm-content-{index}\ue001"
+def chat_template_setting(value: str | None) -> str | None:
+    """The template the chat_template setting names: a file's text, or the setting itself when it is a
+    Jinja template; None when unset. ValueError for a value that is neither."""
+    if not value:
+        return None
+    if "{{" in value or "{%" in value:
+        return value
+    path = Path(value).expanduser()
+    if not path.is_file():
+        raise ValueError(f"chat_template={value!r}: no such file, and not a Jinja template either "
+                         f"(give a template file's path or the template text)")
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        raise ValueError(f"chat_template={value!r}: cannot read the file ({err})") from None

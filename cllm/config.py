@@ -33,6 +33,7 @@ class ModelConfig(_Section):
     n_threads: int | None = Field(None, ge=1, le=1024, description="CPU threads for inference; None = chosen at run time: llama_cpp uses one per physical core this process may run on (SMT siblings once, as llama.cpp's own default), at most what a cgroup CPU quota pays for (rounded down), fewer while other processes take the CPU (llama_cpp.adapt_threads); torch all usable cores")
     n_batch: int = Field(2048, ge=1, le=1 << 16, description="most tokens evaluated in one forward call (llama.cpp splits it into n_ubatch micro-batches); 2048 as llama-server, so a burst of prompts is prefilled in one step while nobody decodes")
     seed: int = Field(0, description="default sampling seed for requests that give none")
+    chat_template: str | None = Field(None, description="a Jinja chat template used in place of the model's own: the path of a template file, or the template itself (vLLM's and llama-server's --chat-template); None = the model's (GGUF tokenizer.chat_template, or the HF directory's)")
 
 
 class LlamaCppConfig(_Section):

@@ -95,6 +95,13 @@ class Tokenizer(ABC):
         """The text form of a special token, for templates ("<|im_end|>")."""
         return self.decode([token_id])
 
+    @property
+    def control_tokens(self) -> Sequence[str]:
+        """The texts that special-token parsing turns into control tokens ("<|im_start|>"): a chat
+        template may write them, a caller's message never (cllm.chat_template). None by default,
+        for tokenizers that parse no special-token text."""
+        return ()
+
 
 class Backend(ABC):
     """An inference runtime the scheduler drives. See the module docstring."""

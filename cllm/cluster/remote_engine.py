@@ -46,7 +46,8 @@ def load_tokenizer(config: CllmConfig) -> Tokenizer:
         from cllm.backends.llama_cpp.tokenizer import LlamaCppTokenizer
         from cllm.model_path import resolve_model_path
 
-        return LlamaCppTokenizer(model=LlamaModelHandle(path=resolve_model_path(config.model.model), vocab_only=True))
+        return LlamaCppTokenizer(model=LlamaModelHandle(path=resolve_model_path(config.model.model), vocab_only=True),
+                                 chat_template=config.model.chat_template)
     from cllm.backends.registry import create_backend
 
     return create_backend(config).tokenizer  # other backends: the whole backend, for its tokenizer

@@ -97,7 +97,7 @@ class LlamaCppBackend(Backend):
         self.thread_governor = ThreadGovernor(top=self._n_threads) if adapt else None
         self._threads_now = self._n_threads
         self._step_clock = time.perf_counter  # what decodes are timed with (tests script it)
-        self._tokenizer = LlamaCppTokenizer(model=self._model)
+        self._tokenizer = LlamaCppTokenizer(model=self._model, chat_template=m.chat_template)
         self._pool = SeqSlotPool(size=n_seq_max)
         self._prefix_cache = lc.prefix_cache
         self._saved = PromptCache(capacity_bytes=prompt_cache_bytes(lc.prompt_cache_mib, available_bytes=memory)

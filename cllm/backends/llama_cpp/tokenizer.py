@@ -8,12 +8,14 @@ import llama_cpp as C
 
 from cllm.backends.base import Tokenizer
 from cllm.backends.llama_cpp.native import LlamaModelHandle
+from cllm.chat_template import chat_template_setting
 
 
 class LlamaCppTokenizer(Tokenizer):
     """Tokenises with llama_tokenize; decodes by joining each token's cached byte piece."""
 
-    def __init__(self, *, model: LlamaModelHandle) -> None:
+    def __init__(self, *, model: LlamaModelHandle, chat_template: str | None = None) -> None:
+        """``chat_template``: the chat_template setting (a file or a template), in place of the GGUF's."""
         self._model = model
         self._vocab = model.vocab
         self._n_vocab = model.n_vocab
@@ -21,7 +23,8 @@ class LlamaCppTokenizer(Tokenizer):
         self._eog = frozenset(t for t in range(self._n_vocab) if C.llama_vocab_is_eog(self._vocab, t))
         bos = C.llama_vocab_bos(self._vocab)
         self._bos = bos if bos >= 0 else None
-        self._template = model.chat_template()
+        self._template = chat_template_setting(chat_template) or model.chat_template()
+        self._controls: tuple[str, ...] | None = None
 
     @property
     def vocab_size(self) -> int:
@@ -38,6 +41,16 @@ class LlamaCppTokenizer(Tokenizer):
     @property
     def chat_template(self) -> str | None:
         return self._template
+
+    @property
+    def control_tokens(self) -> tuple[str, ...]:
+        """Tokens llama_tokenize makes from text only with parse_special: CONTROL and UNKNOWN ones
+        (USER_DEFINED tokens it parses from any text, so they are not control tokens)."""
+        if self._controls is None:
+            kinds = C.LLAMA_TOKEN_ATTR_CONTROL | C.LLAMA_TOKEN_ATTR_UNKNOWN
+            self._controls = tuple(self.special_token(t) for t in range(self._n_vocab)
+                                   if C.llama_vocab_get_attr(self._vocab, t) & kinds)
+        return self._controls
 
     def encode(self, text: str, *, add_special: bool = True, parse_special: bool = True) -> list[int]:
         raw = text.encode("utf-8")

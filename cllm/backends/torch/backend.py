@@ -82,7 +82,7 @@ class TorchBackend(Backend):
             check_startup_free(cuda_memory(self.device), config.torch.gpu_memory_utilization)
         loaded = load_model(resolve_model_path(config.model.model))
         self.spec = loaded.spec
-        self._tokenizer = _load_tokenizer(loaded)
+        self._tokenizer = _load_tokenizer(loaded, config.model.chat_template)
         self.model = CausalLM(
             loaded.spec, loaded.state_dict, dtype=self.dtype, device=self.device, compiled=config.torch.torch_compile,
             fp16_weights=self.fp16_weights,
@@ -603,7 +603,7 @@ class TorchBackend(Backend):
             torch.cuda.empty_cache()
 
 
-def _load_tokenizer(loaded: LoadedModel) -> HFTokenizer | None:
+def _load_tokenizer(loaded: LoadedModel, chat_template: str | None = None) -> HFTokenizer | None:
     """The model's tokenizer; None for a bare weights directory (forward_batch still works)."""
     directory = loaded.tokenizer_dir
     has_files = loaded.gguf_file is not None or any(
@@ -611,7 +611,8 @@ def _load_tokenizer(loaded: LoadedModel) -> HFTokenizer | None:
     )
     if not has_files:
         return None
-    return HFTokenizer.load(directory, gguf_file=loaded.gguf_file, vocab_size=loaded.spec.vocab_size, extra_eos_ids=loaded.eos_token_ids)
+    return HFTokenizer.load(directory, gguf_file=loaded.gguf_file, vocab_size=loaded.spec.vocab_size, extra_eos_ids=loaded.eos_token_ids,
+                            chat_template=chat_template)
 
 
 CPU_N_SEQ_MAX = 8  # sequences at once on CPU when n_seq_max is unset

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from cllm.backends.base import Tokenizer
+from cllm.chat_template import chat_template_setting
 
 # End-of-turn markers of common chat formats; each counts as EOS when the vocabulary has it.
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|end_of_text|>")
@@ -31,7 +32,10 @@ def _byte_level_decoder() -> dict[str, int]:
 class HFTokenizer(Tokenizer):
     """Wraps a transformers tokenizer (fast or slow)."""
 
-    def __init__(self, hf_tokenizer: Any, *, vocab_size: int, extra_eos_ids: Iterable[int] = ()) -> None:
+    def __init__(self, hf_tokenizer: Any, *, vocab_size: int, extra_eos_ids: Iterable[int] = (),
+                 chat_template: str | None = None) -> None:
+        """``chat_template``: the chat_template setting (a file or a template), in place of the model's."""
+        self._template_setting = chat_template_setting(chat_template)
         self._tok = hf_tokenizer
         self._vocab_size = vocab_size  # the model's logits width, which may exceed len(tokenizer)
         vocab = hf_tokenizer.get_vocab()
@@ -50,12 +54,14 @@ class HFTokenizer(Tokenizer):
         self._bytes_of: dict[int, bytes] = {}  # token_bytes, filled as ids are asked for
 
     @classmethod
-    def load(cls, directory: Path, *, gguf_file: str | None, vocab_size: int, extra_eos_ids: Iterable[int] = ()) -> HFTokenizer:
+    def load(cls, directory: Path, *, gguf_file: str | None, vocab_size: int, extra_eos_ids: Iterable[int] = (),
+             chat_template: str | None = None) -> HFTokenizer:
         """AutoTokenizer from an HF directory, or from a GGUF file's embedded vocabulary."""
         from transformers import AutoTokenizer
 
         kwargs = {"gguf_file": gguf_file} if gguf_file else {}
-        return cls(AutoTokenizer.from_pretrained(str(directory), **kwargs), vocab_size=vocab_size, extra_eos_ids=extra_eos_ids)
+        return cls(AutoTokenizer.from_pretrained(str(directory), **kwargs), vocab_size=vocab_size, extra_eos_ids=extra_eos_ids,
+                   chat_template=chat_template)
 
     @property
     def vocab_size(self) -> int:
@@ -68,6 +74,13 @@ class HFTokenizer(Tokenizer):
     @property
     def bos_token_id(self) -> int | None:
         return self._tok.bos_token_id
+
+    @property
+    def control_tokens(self) -> tuple[str, ...]:
+        """The special added tokens: those ``split_special_tokens`` keeps from being parsed."""
+        added = getattr(self._tok, "added_tokens_decoder", {}) or {}
+        specials = {t.content for t in added.values() if getattr(t, "special", False)}
+        return tuple(specials | set(getattr(self._tok, "all_special_tokens", ())))
 
     def encode(self, text: str, *, add_special: bool = True, parse_special: bool = True) -> list[int]:
         ids = self._tok(text, add_special_tokens=add_special, split_special_tokens=not parse_special)["input_ids"]
@@ -101,5 +114,7 @@ class HFTokenizer(Tokenizer):
 
     @property
     def chat_template(self) -> str | None:
+        if self._template_setting:
+            return self._template_setting
         template = getattr(self._tok, "chat_template", None)
         return template if isinstance(template, str) else None
