@@ -108,3 +108,11 @@ def test_probe_without_a_comparison_is_not_counted_as_lost():
 def test_bad_top_is_refused():
     with pytest.raises(ValueError, match="top=0"):
         ThreadGovernor(top=0)
+
+
+def test_a_class_of_prefill_chunks_spans_less_than_the_slow_factor():
+    members: dict[tuple[int, int], list[int]] = {}
+    for n in range(1, 4096):
+        members.setdefault(work_class(n, 0), []).append(n)
+    assert all(max(ns) / min(ns) < GovernorSettings().slow_factor for ns in members.values())
+    assert work_class(1, 0) != work_class(2, 0) != work_class(3, 0) != work_class(4, 0)

@@ -34,8 +34,12 @@ _CONTEXT_QUANTUM = 512
 
 
 def work_class(n_tokens: int, max_position: int) -> tuple[int, int]:
-    """Steps whose cost is comparable: tokens in the batch and context length, each to a power of two."""
-    return (max(1, n_tokens).bit_length(), (max(0, max_position) // _CONTEXT_QUANTUM).bit_length())
+    """Steps whose cost is comparable: tokens in the batch to half a power of two (a prefill chunk's time grows
+    with its tokens: within a class at most 1.5x, below ``slow_factor``), context length to a power of two."""
+    n = max(1, n_tokens)
+    octave = n.bit_length()
+    half = 1 if octave >= 2 and n >= 3 << (octave - 2) else 0
+    return (2 * octave + half, (max(0, max_position) // _CONTEXT_QUANTUM).bit_length())
 
 
 @dataclass(slots=True)
