@@ -247,12 +247,37 @@ def test_seed_reproducible(server: ServerProcess) -> None:
 
 
 def test_extension_parameters(server: ServerProcess) -> None:
-    resp = server.openai().completions.create(
-        model="", prompt=PROMPT, max_tokens=10, temperature=0.8, seed=3, user="tester",
-        presence_penalty=0.5, frequency_penalty=0.5, logit_bias={"28": -100},
-        extra_body={"top_k": 20, "min_p": 0.05, "repetition_penalty": 1.1, "min_tokens": 10, "ignore_eos": True, "stop_token_ids": [2]},
-    )
-    assert resp.usage.completion_tokens == 10  # type: ignore[union-attr]  # min_tokens == max_tokens, EOS ignored
+    """Each sampling field reaches the sampler: its effect shows against greedy decoding of a prompt
+    whose greedy continuation repeats itself (" two two two ...")."""
+    prompt = "one two one two one two one two one two one two"
+
+    def complete(**fields: Any) -> tuple[list[str], str]:
+        body = {"model": "", "prompt": prompt, "max_tokens": 8, "temperature": 0, "logprobs": 1, "user": "tester", **fields}
+        with server.http() as client:
+            resp = client.post("/v1/completions", json=body)
+        assert resp.status_code == 200, resp.text
+        choice = resp.json()["choices"][0]
+        return choice["logprobs"]["tokens"], choice["finish_reason"]
+
+    with server.http() as client:
+        one, two = (client.post("/tokenize", json={"prompt": w}).json()["tokens"] for w in (" one", " two"))
+    greedy, _ = complete()
+    assert greedy[:3] == [" two"] * 3 and len(one) == len(two) == 1
+    hot = {"temperature": 3.0, "seed": 1}  # far from greedy: nearly uniform over the vocabulary
+    sampled = complete(**hot)
+    assert sampled[0] != greedy
+    assert complete(**hot) == sampled and complete(temperature=3.0, seed=2)[0] != sampled[0]  # seed
+    for narrowing in ({"top_k": 1}, {"min_p": 1.0}, {"top_p": 1e-6}):  # each leaves only the top token
+        assert complete(**hot, **narrowing)[0] == greedy, narrowing
+    penalised = [complete(**{field: 2.0})[0] for field in ("presence_penalty", "frequency_penalty", "repetition_penalty")]
+    assert all(tokens != greedy for tokens in penalised), penalised  # the repeated " two" loses its lead
+    assert penalised[0] != penalised[1]  # presence is flat; frequency grows with the count
+    assert complete(logit_bias={str(one[0]): 100}) == ([" one"] * 8, "length")
+    assert complete(stop_token_ids=two) == ([" two"], "stop")  # the first greedy token ends it
+    eos = {"logit_bias": {"2": 100}}  # <|im_end|>, the embedded model's EOS, made certain
+    assert complete(**eos) == ([""], "stop")
+    assert complete(**eos, min_tokens=3) == ([" two"] * 3 + [""], "stop")
+    assert complete(**eos, ignore_eos=True) == ([""] * 8, "length")
 
 
 def test_completion_logprobs(server: ServerProcess) -> None:
@@ -264,7 +289,10 @@ def test_completion_logprobs(server: ServerProcess) -> None:
         assert logprob <= 0 and token in top and 3 <= len(top) <= 4
         assert max(top.values()) == pytest.approx(logprob, abs=1e-4)  # greedy picks the most likely token
     events = stream_events(server, "/v1/completions", {"prompt": PROMPT, "max_tokens": 6, "temperature": 0, "logprobs": 1})
-    streamed = [t for e in events[:-1] for t in e["choices"][0]["logprobs"]["tokens"]]
+    chunks = events[:-1]  # "[DONE]" last
+    # The finish comes alone, as OpenAI's: no text, logprobs null (issue 46 §5).
+    assert chunks[-1]["choices"] == [{"index": 0, "text": "", "logprobs": None, "finish_reason": "length"}]
+    streamed = [t for e in chunks[:-1] for t in e["choices"][0]["logprobs"]["tokens"]]
     assert streamed == lp.tokens
 
 
