@@ -118,7 +118,8 @@ def uvicorn_config(app: FastAPI, config: CllmConfig) -> uvicorn.Config:
         # Slow and greedy clients (issue 9 defect 14): idle keep-alives, header size and time, and
         # how many connections and requests are open at once (beyond it, 503).
         http=header_limits_protocol(header_timeout_s=server_cfg.header_read_timeout_s,
-                                    max_header_bytes=server_cfg.max_header_bytes),
+                                    max_header_bytes=server_cfg.max_header_bytes,
+                                    write_timeout_s=server_cfg.stream_stall_timeout_s),  # a reader that stalls
         timeout_keep_alive=server_cfg.keep_alive_timeout_s,  # type: ignore[arg-type]  # call_later takes floats
         limit_concurrency=server_cfg.max_connections,
     )

@@ -201,6 +201,8 @@ class GenerationStream:
             for i, task in enumerate(self._tasks):
                 if i != index:
                     task.cancel()  # closes (aborts) the other prompts' engine streams
+            if self._lease is not None:  # the requests are aborted: their sequences hold the client's share no more
+                self._lease.release()  # (the response may stay blocked in its send until the write timeout)
         self._put((index, None, APIError(408, str(exc), code="stream_stalled")))
 
     async def start(self) -> None:

@@ -1,5 +1,5 @@
 """Slow- and greedy-client defences for uvicorn's httptools protocol: a deadline and a size bound
-for the request line and headers.
+for the request line and headers, and a deadline for a response's blocked writes.
 
 uvicorn bounds idle keep-alive connections (``timeout_keep_alive``) and concurrency
 (``limit_concurrency``), but not how long a client may take to send its headers: a slowloris client
@@ -8,12 +8,22 @@ process's descriptors. Nor, with httptools (the C parser; h11 had ``h11_max_inco
 how many header bytes it may send: the parser buffers a header line until it ends, so one endless
 line grows the process's memory without bound. The body's deadline and size are
 BodyLimitMiddleware's, which reads every body anyway.
+
+Nor has uvicorn a write timeout: a client that stops reading leaves its response blocked in the
+socket send for as long as it keeps the socket open. stream_stall_timeout_s aborted the engine
+request, but the connection, its task and its place under ``max_connections`` stayed (issue 46
+item 3: two stalled clients and a cap of 4, and others got 503 until the stalled ones closed).
+A connection whose writes stay blocked that long is reset (nginx's ``send_timeout``): closing it
+politely would wait to flush a buffer that its client never reads.
 """
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
+import socket
+import struct
 
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
@@ -37,6 +47,7 @@ class HeaderLimitsProtocol(HttpToolsProtocol):
 
     header_timeout_s: float = 10.0  # set by header_limits_protocol()
     max_header_bytes: int = 16384  # set by header_limits_protocol()
+    write_timeout_s: float | None = None  # set by header_limits_protocol(); None: writes may block for ever
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -44,6 +55,7 @@ class HeaderLimitsProtocol(HttpToolsProtocol):
         self._header_bytes = 0  # bytes received while awaiting this request's headers
         self._headers_too_large = False  # set when complete headers turn out over the bound
         self._header_timer: asyncio.TimerHandle | None = None
+        self._write_timer: asyncio.TimerHandle | None = None  # runs while the transport's buffer is full
         self._start_clock()
 
     def data_received(self, data: bytes) -> None:
@@ -82,7 +94,37 @@ class HeaderLimitsProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        self._disarm_write_timer()
         super().connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        """The transport's buffer is over its high-water mark: the response's sends block from now on."""
+        super().pause_writing()
+        if self.write_timeout_s is not None and self._write_timer is None:
+            self._write_timer = self.loop.call_later(self.write_timeout_s, self._on_write_timeout)
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        self._disarm_write_timer()
+
+    def _disarm_write_timer(self) -> None:
+        if self._write_timer is not None:
+            self._write_timer.cancel()
+            self._write_timer = None
+
+    def _on_write_timeout(self) -> None:
+        self._write_timer = None
+        log.warning("%sresetting a connection whose client read nothing for %g s (stream_stall_timeout_s) "
+                    "while a response waited", self._client_prefix(), self.write_timeout_s)
+        # A reset: abort(), not close(), which would flush the buffer first, and no lingering: a socket
+        # closed with unsent data stays with the kernel (and open for its client) until the data is
+        # read. connection_lost then marks the request disconnected and wakes its blocked send: the
+        # response ends (aborting its engine requests), its task ends, its place under max_connections is free.
+        sock = self.transport.get_extra_info("socket")
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        self.transport.abort()
 
     def _responding(self) -> bool:
         return self.cycle is not None and not self.cycle.response_complete
@@ -132,7 +174,9 @@ class HeaderLimitsProtocol(HttpToolsProtocol):
         return "%s:%d - " % self.client if self.client else ""
 
 
-def header_limits_protocol(*, header_timeout_s: float, max_header_bytes: int) -> type[HeaderLimitsProtocol]:
-    """The protocol class to pass as uvicorn's ``http=``, with this deadline and size bound."""
+def header_limits_protocol(*, header_timeout_s: float, max_header_bytes: int,
+                           write_timeout_s: float | None = None) -> type[HeaderLimitsProtocol]:
+    """The protocol class to pass as uvicorn's ``http=``, with these deadlines and size bound."""
     return type("HeaderLimitsProtocol", (HeaderLimitsProtocol,),
-                {"header_timeout_s": header_timeout_s, "max_header_bytes": max_header_bytes})
+                {"header_timeout_s": header_timeout_s, "max_header_bytes": max_header_bytes,
+                 "write_timeout_s": write_timeout_s})

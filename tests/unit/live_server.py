@@ -37,12 +37,20 @@ class SlowFakeBackend(FakeBackend):
 
 
 @contextlib.contextmanager
-def live_server(config: CllmConfig, backend: FakeBackend) -> Iterator[str]:
-    """Serve the fake ``backend`` under ``config`` on a free port; yields the base URL."""
+def live_server(config: CllmConfig, backend: FakeBackend, *, sndbuf: int = 0) -> Iterator[str]:
+    """Serve the fake ``backend`` under ``config`` on a free port; yields the base URL. ``sndbuf``: the
+    kernel send buffer of each connection in bytes (0: autotuned, megabytes on loopback), small to
+    make a client that stops reading block the server's writes soon."""
     config = config.with_overrides(port=free_port(), log_level="warning")
     app = create_app(config, engine=cllm.AsyncLLM(backend=backend, config=config))
     server = uvicorn.Server(uvicorn_config(app, config))
-    thread = threading.Thread(target=server.run, name="live-server", daemon=True)
+    sockets = None
+    if sndbuf:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, sndbuf)  # accepted connections inherit it
+        sock.bind((config.server.host, config.server.port))
+        sockets = [sock]
+    thread = threading.Thread(target=server.run, kwargs={"sockets": sockets}, name="live-server", daemon=True)
     thread.start()
     deadline = time.monotonic() + 10
     while not server.started:

@@ -82,7 +82,8 @@ def test_headers_trickled_behind_a_stream_do_not_cut_it_but_close_the_connection
                      + b"GET /health HTTP/1.1\r\n")  # pipelined, in the same read, and never finished
         response = read_until_closed(sock, timeout_s=10)
         sock.close()
-        assert response.count(b"data: ") == 11 and response.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n")
+        # ten tokens, [DONE] and, where the finish has a chunk of its own (as OpenAI sends it), that one
+        assert response.count(b"data: ") in (11, 12) and response.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n")
         # ten 0.1 s steps, then the pipelined request's 0.3 s deadline; nothing else closes it this soon
         # (keep-alive 30 s, and read_until_closed would have raised at 10 s)
         assert 1.0 < time.monotonic() - start < 8
@@ -145,16 +146,84 @@ def test_a_body_that_does_not_arrive_in_time_gets_408():
         assert b"body_timeout" in response
 
 
+def open_idle_connection(base_url: str) -> socket.socket:
+    """A keep-alive connection that the server has certainly accepted (it answered a request on it),
+    now idle: events, not a pause that a busy machine may outlast."""
+    sock = connect(base_url)
+    sock.sendall(b"GET /health HTTP/1.1\r\nHost: localhost\r\n\r\n")
+    assert sock.recv(65536).startswith(b"HTTP/1.1 200")
+    return sock
+
+
+def close_and_wait_for_the_server(sock: socket.socket) -> None:
+    """Our end of the connection, then the server's: asyncio calls the protocol's connection_lost
+    (which gives the connection's place back) before it closes the socket, so the server's FIN
+    means the place is free."""
+    sock.shutdown(socket.SHUT_WR)
+    assert read_until_closed(sock, timeout_s=10) == b""
+    sock.close()
+
+
 def test_connections_beyond_the_cap_get_503_and_the_cap_frees_up():
-    config = fake_config(max_connections=3, header_read_timeout_s=30)
+    config = fake_config(max_connections=3, header_read_timeout_s=30, keep_alive_timeout_s=30)
     with live_server(config, FakeBackend(slots=1)) as url:
-        idle = [connect(url), connect(url)]
-        time.sleep(0.2)
+        idle = [open_idle_connection(url), open_idle_connection(url)]
         with httpx.Client(timeout=10) as client:
             assert client.post(f"{url}/v1/completions", content=BODY,
                                headers={"Content-Type": "application/json"}).status_code == 503
         for sock in idle:
-            sock.close()
-        time.sleep(0.2)
+            close_and_wait_for_the_server(sock)
         assert httpx.post(f"{url}/v1/completions", content=BODY, headers={"Content-Type": "application/json"},
                           timeout=10).status_code == 200
+
+
+TCP_ESTABLISHED = 1  # tcp_info's first byte: the connection's state (linux/tcp_states.h)
+
+
+def tcp_state(sock: socket.socket) -> int:
+    """The kernel's state of ``sock`` (Linux), read without taking any of its received bytes."""
+    return sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 8)[0]
+
+
+def open_stalled_stream(base_url: str, body: bytes) -> socket.socket:
+    """A streamed request whose client reads the response head and then nothing: a small receive
+    buffer, so that the server's writes block soon (as behind a slow link)."""
+    host, port = base_url.removeprefix("http://").split(":")
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.settimeout(10)
+    sock.connect((host, int(port)))
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    assert sock.recv(12).startswith(b"HTTP/1.1 200")
+    return sock
+
+
+@pytest.mark.skipif(not hasattr(socket, "TCP_INFO"), reason="reads the connection's state through Linux's TCP_INFO")
+def test_a_stalled_reader_is_disconnected_and_its_place_under_the_cap_freed():
+    """Issue 46 item 3: stream_stall_timeout_s aborted a stalled reader's engine request, but its
+    response stayed blocked in the socket send (uvicorn has no write timeout), holding the connection,
+    its task and its place under max_connections until the client closed: others got 503. Two
+    stalled readers under a cap of 3: the third connection is refused until the server resets them."""
+    config = fake_config(max_connections=3, stream_stall_timeout_s=1.0, header_read_timeout_s=30,
+                         keep_alive_timeout_s=30, max_tokens_limit=1 << 18)
+    backend = FakeBackend(slots=4, max_model_len=1 << 18, kv_tokens=1 << 20)  # streams far longer than the buffers
+    body = json.dumps({"prompt": "ab", "max_tokens": 200_000, "ignore_eos": True, "stream": True}).encode()
+    with live_server(config, backend, sndbuf=16384) as url:
+        stalled = [open_stalled_stream(url, body) for _ in range(2)]
+        try:
+            with httpx.Client(timeout=10) as client:  # while they are stalled, the cap is theirs
+                assert client.post(f"{url}/v1/completions", content=BODY,
+                                   headers={"Content-Type": "application/json"}).status_code == 503
+            deadline = time.monotonic() + 30  # a bound for the failure only: the reset comes ~1 s after the stall
+            while any(tcp_state(sock) == TCP_ESTABLISHED for sock in stalled):
+                assert time.monotonic() < deadline, "the server kept the stalled connections open"
+                time.sleep(0.05)
+            assert httpx.post(f"{url}/v1/completions", content=BODY, headers={"Content-Type": "application/json"},
+                              timeout=10).status_code == 200
+            while backend.held:  # the stalled requests were aborted and gave their slots back
+                assert time.monotonic() < deadline, f"slots still held: {backend.held}"
+                time.sleep(0.05)
+        finally:
+            for sock in stalled:
+                sock.close()
