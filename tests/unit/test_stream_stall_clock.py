@@ -10,6 +10,7 @@ import pytest
 import cllm
 from cllm.outputs import CompletionOutput, RequestMetrics, RequestOutput, Usage
 from cllm.server import generation
+from cllm.server.client_quota import AdmissionPolicy, ClientLease, ClientQuota
 from cllm.server.errors import APIError
 from cllm.server.generation import GenerationStream
 from cllm.server.metrics import ServerMetrics
@@ -49,10 +50,10 @@ def clock(monkeypatch) -> _Clock:
     return fake
 
 
-def _stream(engine: object, prompts: int) -> GenerationStream:
+def _stream(engine: object, prompts: int, lease: ClientLease | None = None) -> GenerationStream:
     return GenerationStream(engine, [[1, 2]] * prompts, cllm.SamplingParams(max_tokens=1), request_id="r", priority=0,
                             metrics=ServerMetrics(lambda: None), record=None, prompt_param="prompt",
-                            stall_timeout_s=STALL_S)
+                            stall_timeout_s=STALL_S, lease=lease)
 
 
 @pytest.mark.parametrize("prompts", [2, 4])
@@ -80,15 +81,21 @@ def test_a_collector_whose_outputs_come_after_the_stall_timeout_gets_them(clock,
 
 def test_output_left_untaken_past_the_timeout_is_still_a_stall(clock):
     """The other side: output queued and not taken for longer than the timeout, and more output
-    coming, is a stall (408 for the reader)."""
+    coming, is a stall (408 for the reader), and the aborted request's sequences no longer count
+    against its client's share (issue 46 item 3), though its response may stay blocked in a send."""
+    quota = ClientQuota(AdmissionPolicy(max_sequences_per_request=8, max_sequences_per_client=8,
+                                        allow_client_priority=False))
+
     async def main() -> BaseException | None:
         engine = _SteppedEngine()
-        stream = _stream(engine, 1)
+        stream = _stream(engine, 1, quota._acquire("client", 1))
         try:
             await stream.start()
             await engine.emit()  # queued; the reader takes nothing
             clock.now += 2 * STALL_S
+            assert quota.in_flight("client") == 1
             await engine.emit()  # the pump finds the first output waiting for longer than the timeout
+            assert quota.in_flight("client") == 0
             try:
                 while isinstance(await stream.next_output(), tuple):
                     pass
