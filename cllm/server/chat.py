@@ -30,6 +30,7 @@ from cllm.server.generation import GenerationStream
 from cllm.server.logprobs import chat_logprobs
 from cllm.server.protocol import (
     ChatChoice,
+    ChatChunkWithUsage,
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -59,11 +60,15 @@ _PROMPT_TAIL_TOKENS = 8
 
 
 def render_chat(engine: Any, messages: list[ChatMessage], add_generation_prompt: bool = True,
-                plan: ToolPlan | None = None) -> list[int]:
+                plan: ToolPlan | None = None, continue_final_message: bool = False) -> list[int]:
     """The prompt token ids for ``messages`` (content never parsed into special tokens); 400 naming
-    the message for anything the template cannot take. ``plan`` brings the request's tools in."""
+    the message for anything the template cannot take. ``plan`` brings the request's tools in;
+    ``continue_final_message``: the prompt ends inside the last message, for the model to continue."""
     if not messages:
         raise bad_request("messages must not be empty", param="messages")
+    if continue_final_message and add_generation_prompt:
+        raise bad_request("continue_final_message and add_generation_prompt cannot both be true: continue the last "
+                          "message, or start a new assistant turn", param="continue_final_message")
     plain: list[dict[str, Any]] = []
     for i, message in enumerate(messages):
         try:
@@ -84,7 +89,8 @@ def render_chat(engine: Any, messages: list[ChatMessage], add_generation_prompt:
         plain = plan.prepare_messages(plain)
         tools = plan.template_tools()
     try:
-        return list(engine.tokenize_chat(plain, add_generation_prompt, tools))
+        return list(engine.tokenize_chat(plain, add_generation_prompt, tools,
+                                         continue_final_message=continue_final_message))
     except Exception as exc:  # template errors (jinja raise_exception …) are about the messages given
         log.info("chat template refused the messages: %s", exc)
         raise bad_request(f"invalid messages for this model's chat template: {exc}", param="messages") from None
@@ -134,7 +140,10 @@ async def _prepare_chat(body: ChatCompletionRequest, request: Request, id_prefix
     constraint = _constraint(body, plan)
     # Jinja rendering and tokenising a large conversation take a while: off the event loop, so they do
     # not stall every other stream (issue 9 defect 17).
-    prompt = await run_in_threadpool(render_chat, model.engine, body.messages, body.add_generation_prompt is not False, plan)
+    # continue_final_message alone means no new turn; both given true is a 400 (render_chat)
+    generation_prompt = body.add_generation_prompt if body.continue_final_message else body.add_generation_prompt is not False
+    prompt = await run_in_threadpool(render_chat, model.engine, body.messages, bool(generation_prompt), plan,
+                                     bool(body.continue_final_message))
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     if max_tokens is None:
         max_tokens = default_max_tokens(
@@ -191,7 +200,8 @@ class ChatFormatter:
         self._meta = meta
         self._n = n
         self._logprobs = logprobs
-        self._include_usage = include_usage  # every chunk carries "usage": null, the last one the usage
+        # With include_usage every chunk carries "usage": null, the last one the usage.
+        self._chunk_type = ChatChunkWithUsage if include_usage else ChatCompletionChunk
         self._reply = reply or ReplyFormat()
         self._replies: dict[int, ReplyStream] = {}  # choice index -> its reply so far
         self._plain = self._reply.plan is None and self._reply.reasoning is None  # content passes through as is
@@ -256,9 +266,8 @@ class ChatFormatter:
 
     def _chunk(self, choices: list[ChatStreamChoice], usage: UsageInfo | None = None) -> ChatCompletionChunk:
         m = self._meta
-        chunk = ChatCompletionChunk(id=m.id, created=m.created, model=m.model, system_fingerprint=m.system_fingerprint,
-                                    choices=choices, usage=usage)
-        return chunk.with_usage_requested(self._include_usage)
+        return self._chunk_type(id=m.id, created=m.created, model=m.model, system_fingerprint=m.system_fingerprint,
+                                choices=choices, usage=usage)
 
 
 def build_chat(meta: ResponseMeta, final: RequestOutput, logprobs: bool, reply: ReplyFormat | None = None) -> ChatCompletionResponse:

@@ -19,7 +19,14 @@ from cllm.server.generation import GenerationStream, Prompt
 from cllm.server.echo import echo_of
 from cllm.server.logprobs import completion_logprobs, concat_logprobs
 from cllm.server.fingerprint import fingerprint_of
-from cllm.server.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, UsageInfo
+from cllm.server.protocol import (
+    CompletionChoice,
+    CompletionChunkWithUsage,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    UsageInfo,
+)
 from cllm.server.sampling import build_sampling_params
 from cllm.server.serving import ResponseMeta, respond, total_usage
 from cllm.server.state import get_state
@@ -68,7 +75,8 @@ class CompletionFormatter:
     def __init__(self, meta: ResponseMeta, n: int, logprobs: bool, echo: EchoSpec | None = None,
                  include_usage: bool = False) -> None:
         self._meta = meta
-        self._include_usage = include_usage  # every chunk carries "usage": null, the last one the usage
+        # With include_usage every chunk carries "usage": null, the last one the usage.
+        self._chunk_type = CompletionChunkWithUsage if include_usage else CompletionResponse
         self._n = n
         self._logprobs = logprobs
         self._echo = echo
@@ -113,9 +121,8 @@ class CompletionFormatter:
 
     def _chunk(self, choices: list[CompletionChoice], usage: UsageInfo | None = None) -> CompletionResponse:
         m = self._meta
-        chunk = CompletionResponse(id=m.id, created=m.created, model=m.model, system_fingerprint=m.system_fingerprint,
-                                   choices=choices, usage=usage)
-        return chunk.with_usage_requested(self._include_usage)
+        return self._chunk_type(id=m.id, created=m.created, model=m.model, system_fingerprint=m.system_fingerprint,
+                                choices=choices, usage=usage)
 
 
 def build_completion(meta: ResponseMeta, finals: list[RequestOutput], n: int, logprobs: bool,

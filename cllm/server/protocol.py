@@ -10,9 +10,9 @@ parameter.
 from __future__ import annotations
 
 import time
-from typing import Any, ClassVar, Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, SerializerFunctionWrapHandler, model_serializer
+from pydantic import BaseModel, ConfigDict, Field
 
 
 class _Request(BaseModel):
@@ -144,6 +144,7 @@ class ChatCompletionRequest(GenerationRequest):
     response_format: ResponseFormat | None = None
     parallel_tool_calls: bool | None = None
     add_generation_prompt: bool | None = None
+    continue_final_message: bool | None = None  # vLLM: the prompt ends inside the last message (assistant prefill)
 
     def unsupported(self) -> tuple[str, str] | None:
         if self.functions or self.function_call not in (None, "none", "auto"):
@@ -201,20 +202,16 @@ class _Response(BaseModel):
     model_config = ConfigDict(protected_namespaces=())
 
 
-class _OmitIfNone(_Response):
-    """A model some of whose fields the OpenAI spec marks optional: those are left out while None.
-    Every other field is always sent, null included: clients index ``choice["finish_reason"]`` or
-    ``choice["logprobs"]`` in every chunk (issue 46 §5), so nullable-but-required means null, not absent."""
+def _unset(value: Any) -> bool:
+    return value is None
 
-    _omit_if_none: ClassVar[frozenset[str]] = frozenset()
 
-    @model_serializer(mode="wrap")
-    def _drop_optional_nones(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        data = handler(self)
-        for key in self._omit_if_none:
-            if key in data and data[key] is None:
-                del data[key]
-        return data
+def _optional(description: str | None = None) -> Any:
+    """A field the OpenAI spec marks optional: left out of the JSON while None. Every other field is
+    always sent, null included: clients index ``choice["finish_reason"]`` or ``choice["logprobs"]`` in
+    every chunk (issue 46 §5), so nullable-but-required means null, not absent. (``exclude_if`` is
+    checked in pydantic's core: a wrap serializer tripled the cost of a chunk.)"""
+    return Field(None, exclude_if=_unset, description=description)
 
 
 class PromptTokensDetails(_Response):
@@ -249,26 +246,9 @@ def _now() -> int:
     return int(time.time())
 
 
-class _Chunk(_Response):
-    """A streamed chunk: ``usage`` is absent unless the client asked for it (``stream_options.include_usage``),
-    then null in every chunk but the last, as OpenAI sends it."""
-
-    _usage_requested: bool = PrivateAttr(default=False)
-
-    @model_serializer(mode="wrap")
-    def _drop_optional_nones(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        data = handler(self)
-        if data.get("usage", 0) is None and not self._usage_requested:
-            del data["usage"]
-        return data
-
-    def with_usage_requested(self, requested: bool) -> _Chunk:
-        self._usage_requested = requested
-        return self
-
-
-class CompletionResponse(_Chunk):
-    """A /v1/completions body, and (object ``text_completion`` too, as OpenAI) each of its stream chunks."""
+class CompletionResponse(_Response):
+    """A /v1/completions body, and (object ``text_completion`` too, as OpenAI) each of its stream chunks:
+    ``usage`` is left out of a chunk unless the client asked for it (``CompletionChunkWithUsage``)."""
 
     id: str
     object: Literal["text_completion"] = "text_completion"
@@ -276,6 +256,13 @@ class CompletionResponse(_Chunk):
     model: str
     system_fingerprint: str | None = None
     choices: list[CompletionChoice]
+    usage: UsageInfo | None = _optional()
+
+
+class CompletionChunkWithUsage(CompletionResponse):
+    """A chunk of a stream with ``stream_options.include_usage``: ``"usage": null`` in every chunk but the
+    last, as OpenAI sends it."""
+
     usage: UsageInfo | None = None
 
 
@@ -333,33 +320,27 @@ class ChatCompletionResponse(_Response):
     usage: UsageInfo | None = None
 
 
-class DeltaFunctionCall(_OmitIfNone):
-    _omit_if_none = frozenset({"name", "arguments"})
-
-    name: str | None = None
-    arguments: str | None = None
+class DeltaFunctionCall(_Response):
+    name: str | None = _optional()
+    arguments: str | None = _optional()
 
 
-class DeltaToolCall(_OmitIfNone):
+class DeltaToolCall(_Response):
     """A fragment of a streamed tool call; fragments with the same index concatenate."""
 
-    _omit_if_none = frozenset({"id", "type", "function"})
-
     index: int
-    id: str | None = None
-    type: Literal["function"] | None = None
-    function: DeltaFunctionCall | None = None
+    id: str | None = _optional()
+    type: Literal["function"] | None = _optional()
+    function: DeltaFunctionCall | None = _optional()
 
 
-class DeltaMessage(_OmitIfNone):
+class DeltaMessage(_Response):
     """What a chunk adds to a choice's message: only the fields it sets (the last chunk: ``{}``)."""
 
-    _omit_if_none = frozenset({"role", "content", "reasoning_content", "tool_calls"})
-
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-    reasoning_content: str | None = None
-    tool_calls: list[DeltaToolCall] | None = None
+    role: Literal["assistant"] | None = _optional()
+    content: str | None = _optional()
+    reasoning_content: str | None = _optional()
+    tool_calls: list[DeltaToolCall] | None = _optional()
 
 
 class ChatStreamChoice(_Response):
@@ -369,13 +350,22 @@ class ChatStreamChoice(_Response):
     finish_reason: str | None = None
 
 
-class ChatCompletionChunk(_Chunk):
+class ChatCompletionChunk(_Response):
+    """A streamed chat chunk: ``usage`` is left out unless the client asked for it (``ChatChunkWithUsage``)."""
+
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int = Field(default_factory=_now)
     model: str
     system_fingerprint: str | None = None
     choices: list[ChatStreamChoice]
+    usage: UsageInfo | None = _optional()
+
+
+class ChatChunkWithUsage(ChatCompletionChunk):
+    """A chunk of a stream with ``stream_options.include_usage``: ``"usage": null`` in every chunk but the
+    last, as OpenAI sends it."""
+
     usage: UsageInfo | None = None
 
 

@@ -18,7 +18,7 @@ KEEPALIVE = b": keep-alive\n\n"
 def sse_model(model: BaseModel) -> bytes:
     """One ``data:`` event holding a chunk. Null fields are sent as null (``finish_reason`` and
     ``logprobs`` in every chunk, as OpenAI's); the models leave out only the fields the spec makes
-    optional (protocol.py ``_OmitIfNone``)."""
+    optional (protocol.py ``_optional``)."""
     return b"data: " + model.model_dump_json().encode() + b"\n\n"
 
 
