@@ -49,6 +49,8 @@ def test_contention_lowers_the_contexts_threads_and_quiet_brings_them_back(llm):
     assert C.llama_n_threads(ctx) == 1 and C.llama_n_threads_batch(ctx) == 1
     stats = llm.stats()
     assert stats.compute_threads == 1 and stats.compute_threads_lowered == 1
+    backend.embed([[1, 2, 3]])  # embeddings run with the same, lowered count
+    assert C.llama_n_threads(backend._embedder._ctx.ptr) == 1
     clock.times = QUIET
     _generate(llm, 80)  # the next probe of 2 threads (after 16 or 32 steps) wins
     assert backend.thread_governor.current == 2 and C.llama_n_threads(ctx) == 2

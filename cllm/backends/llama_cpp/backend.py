@@ -55,6 +55,16 @@ MIN_SAVE_TOKENS = 8
 IDLE_SAVE_MAX_BYTES = 8 << 20
 
 
+def not_gguf_message(path: Path) -> str:
+    """Why ``path`` is not for llama.cpp, and what to do: a Hugging Face directory can be converted or
+    run on the torch backend."""
+    if path.is_dir() and (path / "config.json").is_file():
+        return (f"model={str(path)!r} is a Hugging Face model directory; the llama_cpp backend runs GGUF files: "
+                f"convert it with llama.cpp's convert_hf_to_gguf.py (python convert_hf_to_gguf.py {str(path)!r} "
+                f"--outfile model.gguf), or serve it as it is with backend=\"torch\" (--backend torch)")
+    return f"model={str(path)!r}: the llama_cpp backend needs a .gguf file"
+
+
 class LlamaCppBackend(Backend):
     """The llama.cpp backend (llama-cpp-python's low-level API)."""
 
@@ -68,7 +78,7 @@ class LlamaCppBackend(Backend):
         m, lc = config.model, config.llama_cpp
         path = resolve_model_path(m.model)
         if path.is_dir() or path.suffix.lower() != ".gguf":
-            raise ValueError(f"model={str(path)!r}: the llama_cpp backend needs a .gguf file")
+            raise ValueError(not_gguf_message(path))
         self.n_gpu_layers = resolve_gpu_layers(lc.n_gpu_layers)
         self._n_threads = m.n_threads or default_n_threads()  # shared by the embeddings context
         # model_path names the model; weights_path is what llama.cpp runs (a converted copy: weights.py)
@@ -406,6 +416,8 @@ class LlamaCppBackend(Backend):
     def embed(self, inputs: Sequence[Sequence[int]]) -> np.ndarray:
         if self._embedder is None:
             self._embedder = LlamaEmbedder(model=self._model, config=self._embedding_config, n_threads=self._n_threads)
+        # the thread governor learns from generation steps; embeddings run beside them on the same CPUs
+        self._embedder.set_n_threads(self._threads_now)
         return self._embedder.embed(inputs)
 
     # ------------------------------------------------------------ swap state

@@ -49,6 +49,11 @@ class LlamaEmbedder:
         )
         self._batch = LlamaBatchBuffer(capacity=self.max_tokens)
 
+    def set_n_threads(self, n_threads: int) -> None:
+        """Compute the next embeddings with ``n_threads`` threads (the generation context's count now)."""
+        if self._ctx.n_threads != n_threads:
+            self._ctx.set_n_threads(n_threads)
+
     def embed(self, inputs: Sequence[Sequence[int]]) -> np.ndarray:
         out = np.empty((len(inputs), self._ctx.n_embd), dtype=np.float32)
         for group in pack_inputs([len(x) for x in inputs], max_tokens=self.max_tokens, max_inputs=self._max_inputs):
