@@ -8,6 +8,7 @@ engine would. So greedy output with a hand-off must equal greedy output without 
 """
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 
 import pytest
@@ -60,6 +61,30 @@ def torch_pair(tiny_llama: str) -> Iterator[tuple[cllm.LLM, cllm.LLM]]:
         yield a, b
 
 
+@contextlib.contextmanager
+def evaluated_tokens(engine: LLMEngine) -> Iterator[list[int]]:
+    """Counts the tokens the engine's forward passes evaluate meanwhile ([count]): a receiver whose
+    KV import failed silently recomputes the whole request, with the same output."""
+    backend = engine.backend
+    forward = backend.forward_batch
+    counted = [0]
+
+    def counting(flat_ids, *args, **kwargs):
+        counted[0] += len(flat_ids)
+        return forward(flat_ids, *args, **kwargs)
+    backend.forward_batch = counting  # (an instance attribute shadows the method)
+    try:
+        yield counted
+    finally:
+        del backend.forward_batch
+
+
+def missing_tokens(num_prompt: int, num_output: int, kv_tokens: int) -> int:
+    """What the receiver evaluates when the KV of ``kv_tokens`` tokens arrived: the rest of the
+    prompt and output, less the last token sampled (never evaluated)."""
+    return num_prompt + num_output - 1 - kv_tokens
+
+
 def reference(llm: cllm.LLM, prompt: str, params: cllm.SamplingParams) -> list[int]:
     llm.engine.add_request(prompt, params, request_id="ref")
     return run_all(llm.engine)["ref"].outputs[0].token_ids
@@ -75,8 +100,10 @@ def test_llama_cpp_greedy_output_is_identical_through_a_hand_off(llama_pair):
     assert a.engine.num_handed_off >= 1
     assert report.num_chunks == -(-report.kv_bytes // (32 * 1024)) > 1
     assert a.engine.backend.num_free_slots() == 2 and not a.engine.has_unfinished()
-    out = run_all(b.engine)["h"]
+    with evaluated_tokens(b.engine) as evaluated:
+        out = run_all(b.engine)["h"]
     assert out.outputs[0].token_ids == expected
+    assert evaluated == [missing_tokens(len(a.tokenizer.encode(PROMPT)), 24, report.kv_tokens)]
     assert out.outputs[0].text == a.tokenizer.decode(expected)
     assert out.usage.completion_tokens == 24 and out.outputs[0].finish_reason == "length"
     assert b.engine.backend.num_free_slots() == 2
@@ -90,8 +117,11 @@ def test_llama_cpp_hand_off_mid_prefill(llama_pair):
     a.engine.add_request(LONG_PROMPT, GREEDY, request_id="p")
     steps(a.engine, 1)
     report = hand_off(a.engine, b.engine, "p", chunk_bytes=64 * 1024)
-    assert report.kv_tokens == 16 < len(a.tokenizer.encode(LONG_PROMPT))
-    assert run_all(b.engine)["p"].outputs[0].token_ids == expected
+    num_prompt = len(a.tokenizer.encode(LONG_PROMPT))
+    assert report.kv_tokens == 16 < num_prompt
+    with evaluated_tokens(b.engine) as evaluated:
+        assert run_all(b.engine)["p"].outputs[0].token_ids == expected
+    assert evaluated == [missing_tokens(num_prompt, len(expected), 16)]  # the imported 16 are not recomputed
 
 
 def test_llama_cpp_interrupted_transfer_resumes(llama_pair):
@@ -106,7 +136,10 @@ def test_llama_cpp_interrupted_transfer_resumes(llama_pair):
     assert receiver.next_index == 3 and sender.header.num_chunks > 3
     assert send(sender, receiver) is TransferStatus.DONE  # resumed from chunk 3
     b.engine.import_request(snap, receiver.segments())
-    assert run_all(b.engine)["i"].outputs[0].token_ids == expected
+    with evaluated_tokens(b.engine) as evaluated:
+        assert run_all(b.engine)["i"].outputs[0].token_ids == expected
+    assert snap.num_computed_tokens == len(a.tokenizer.encode(PROMPT)) + 4  # 5 tokens sampled, the 5th not in KV
+    assert evaluated == [missing_tokens(len(a.tokenizer.encode(PROMPT)), len(expected), snap.num_computed_tokens)]
 
 
 def test_llama_cpp_seeded_sample_continues_its_random_stream(llama_pair):
@@ -139,8 +172,10 @@ def test_torch_hand_off_scatter_gathers_over_non_contiguous_blocks(torch_pair, t
     reports = [hand_off(a.engine, b.engine, rid, chunk_bytes=4096) for rid in prompts]
     assert all(r.num_chunks > 1 for r in reports)
     assert a.engine.backend.blocks.num_used_blocks == 0
-    outs = run_all(b.engine)
+    with evaluated_tokens(b.engine) as evaluated:
+        outs = run_all(b.engine)
     assert {rid: out.outputs[0].token_ids for rid, out in outs.items()} == expected
+    assert evaluated == [sum(missing_tokens(len(prompts[r.request_id]), 24, r.kv_tokens) for r in reports)]
     assert b.engine.backend.blocks.num_used_blocks == 0  # every block given back
 
 
@@ -153,7 +188,10 @@ def test_llama_cpp_constrained_request_keeps_its_grammar_through_a_hand_off(llam
     expected = reference(a, prompt, params)
     a.engine.add_request(prompt, params, request_id="j")
     steps(a.engine, 6)
-    hand_off(a.engine, b.engine, "j", chunk_bytes=1 << 20)
-    out = run_all(b.engine)["j"].outputs[0]
+    report = hand_off(a.engine, b.engine, "j", chunk_bytes=1 << 20)
+    assert report.kv_tokens > 0
+    with evaluated_tokens(b.engine) as evaluated:
+        out = run_all(b.engine)["j"].outputs[0]
     assert out.token_ids == expected
+    assert evaluated == [missing_tokens(len(a.tokenizer.encode(prompt)), len(expected), report.kv_tokens)]
     assert out.text.lstrip().startswith("{")

@@ -8,7 +8,9 @@ from collections.abc import Iterator
 import torch
 
 import cllm
-from tests.integration.test_kv_handoff import TORCH_SETTINGS, steps, tiny_llama  # noqa: F401 (fixture)
+from tests.integration.test_kv_handoff import (  # noqa: F401 (tiny_llama: a fixture)
+    TORCH_SETTINGS, evaluated_tokens, missing_tokens, steps, tiny_llama,
+)
 from tests.unit.fakes import run_all
 
 
@@ -59,13 +61,16 @@ def test_export_and_import_copy_every_block_at_once(tiny_llama):  # noqa: F811
         def counted_import(*args):
             with counting_copies() as copies:
                 ok = import_kv(*args)
-            imports.append(copies)
+            imports.append({**copies, "ok": ok})
             return ok
         dst.import_kv = counted_import
         b.engine.import_request(snapshot, moved)
-        out = run_all(b.engine)["h"].outputs[0]
+        with evaluated_tokens(b.engine) as evaluated:
+            out = run_all(b.engine)["h"].outputs[0]
         assert out.token_ids == expected  # the imported KV is the exported KV
-        assert len(imports) == 1 and imports[0]["cpu"] + imports[0]["to"] <= 2, imports
+        assert len(imports) == 1 and imports[0]["ok"] and imports[0]["cpu"] + imports[0]["to"] <= 2, imports
+        # Only what the KV lacked was evaluated (a failed import would recompute all, with the same output).
+        assert evaluated == [missing_tokens(len(prompt), len(expected), snapshot.num_computed_tokens)]
 
 
 def test_gather_and_scatter_match_the_per_block_layout_in_both_pool_layouts():
