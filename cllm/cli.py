@@ -142,10 +142,12 @@ def serve(
     max_waiting: Optional[int] = typer.Option(None, "--max-waiting"),
     request_timeout_s: Optional[float] = typer.Option(None, "--request-timeout-s"),
     served_model_name: Optional[list[str]] = typer.Option(None, "--served-model-name", help="model name to answer to (repeatable: aliases)"),
-    replicas: Optional[int] = typer.Option(None, "--replicas", help="engine replicas on Ray Serve (needs cllm[ray])"),
+    # "\\[" keeps rich's markup from reading "[ray]" as a style tag and dropping it from the help
+    replicas: Optional[int] = typer.Option(None, "--replicas", help="engine replicas on Ray Serve (needs cllm\\[ray])"),
     pd: Optional[str] = typer.Option(None, "--pd", help="prefill/decode replicas on Ray Serve, e.g. prefill=1,decode=1"),
-    speculative: Optional[str] = typer.Option(None, "--speculative", help="speculative decoding: auto (default: off until measured never to lose) | ngram | draft | off"),
+    speculative: Optional[str] = typer.Option(None, "--speculative", help="speculative decoding: auto (default: n-gram on llama.cpp, off on torch) | ngram | draft | off"),
     speculative_model: Optional[str] = typer.Option(None, "--speculative-model", help="draft model of --speculative draft"),
+    chat_template: Optional[str] = typer.Option(None, "--chat-template", help="a Jinja chat template file, or the template itself, in place of the model's"),
     sets: Optional[list[str]] = SetOpt,
 ) -> None:
     """Run the OpenAI-compatible HTTP server (on Ray Serve with --replicas N > 1 or --pd)."""
@@ -153,7 +155,7 @@ def serve(
                   log_level=log_level, n_ctx=n_ctx, n_seq_max=n_seq_max, n_threads=n_threads, n_batch=n_batch,
                   max_num_seqs=max_num_seqs, max_waiting=max_waiting, request_timeout_s=request_timeout_s,
                   served_model_name=served_model_name or None, replicas=replicas, pd=pd, speculative=speculative,
-                  speculative_model=speculative_model)
+                  speculative_model=speculative_model, chat_template=chat_template)
     if cfg.cluster.replicas > 1 or cfg.cluster.pd is not None:
         try:
             from cllm.cluster.app import serve_ray

@@ -78,7 +78,12 @@ async def load_engine(state: ServerState) -> None:
     try:
         engine = await asyncio.to_thread(_construct_engine, state.config)
     except Exception as exc:
-        log.error("failed to load the model: %s", exc, exc_info=exc)
+        # A bad model file or setting is said in one line (its message names the value and the fix);
+        # a traceback only for what nobody foresaw, or at debug level.
+        foreseen = isinstance(exc, (ValueError, FileNotFoundError))
+        log.error("failed to load the model: %s", exc, exc_info=None if foreseen else exc)
+        if foreseen:
+            log.debug("the load failure's traceback", exc_info=exc)
         state.phase = Phase.FAILED
         state.load_error = f"{type(exc).__name__}: {exc}"
         if state.on_fatal is not None:

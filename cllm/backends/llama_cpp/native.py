@@ -40,12 +40,19 @@ _GGML_LOG_LEVEL_CONT = 5  # continues the previous message at its level
 _last_level = [logging.DEBUG]
 
 
+_capture = threading.local()  # .lines: llama.cpp's warnings and errors on this thread, while a load runs
+
+
 @C.llama_log_callback
 def _silent_log(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
     """Route llama.cpp's log into the `cllm.llama_cpp` logger, each line at its own level, so warnings
     show at the configured log level and load chatter only at DEBUG."""
     py_level = _last_level[0] if level == _GGML_LOG_LEVEL_CONT else _LOG_LEVELS.get(level, logging.DEBUG)
     _last_level[0] = py_level
+    lines = getattr(_capture, "lines", None)
+    if lines is not None and py_level >= logging.WARNING:
+        lines.append(text.decode("utf-8", "replace").strip())  # logged after the load, or said in its error
+        return
     if log.isEnabledFor(py_level):
         message = text.decode("utf-8", "replace").rstrip()
         if message:
@@ -96,6 +103,15 @@ def model_params(*, n_gpu_layers: int) -> C.llama_model_params:
     return params
 
 
+def load_failure_reason(lines: Sequence[str]) -> str:
+    """llama.cpp's own words for a failed load ("unknown model architecture: 'x'", a tensor's wrong
+    shape, a vocabulary error), from the warning and error lines it logged while loading."""
+    said = [line for line in lines if line and "failed to load model" not in line]
+    errors = [line.split("error loading model: ", 1)[1] for line in said if "error loading model: " in line]
+    reason = "; ".join(errors or said[-2:])
+    return reason or "llama.cpp gave no reason (is it a GGUF file?)"
+
+
 class LlamaModelHandle:
     """A loaded GGUF model (llama_model*) and its vocabulary."""
 
@@ -103,9 +119,16 @@ class LlamaModelHandle:
         _init_llama_backend()
         params = model_params(n_gpu_layers=n_gpu_layers)
         params.vocab_only = vocab_only  # a tokenizer alone (a Ray ingress) needs no weights
-        ptr = C.llama_model_load_from_file(str(path).encode(), params)
+        _capture.lines = []  # llama.cpp says why a load fails only in its log
+        try:
+            ptr = C.llama_model_load_from_file(str(path).encode(), params)
+        finally:
+            said, _capture.lines = _capture.lines, None
         if not ptr:
-            raise ValueError(f"llama.cpp could not load model file {str(path)!r} (not a valid GGUF?)")
+            raise ValueError(f"llama.cpp could not load {str(path)!r}: {load_failure_reason(said)}")
+        for line in said:
+            if line:
+                log.warning("llama.cpp: %s", line)
         self.ptr = ptr
         self.vocab = C.llama_model_get_vocab(ptr)
         self.n_vocab = C.llama_vocab_n_tokens(self.vocab)
