@@ -98,7 +98,7 @@ class _DrainingServer(uvicorn.Server):
 
     def fail(self, reason: str) -> None:
         """Stop the server with a non-zero status (the model could not be loaded)."""
-        log.error("exiting: %s", reason)
+        log.error("exiting with status 1 (%s)", reason.split(":", 1)[0])  # the reason itself was logged at the failure
         self.exit_code = 1
         self.should_exit = True
 
