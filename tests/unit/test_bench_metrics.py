@@ -17,6 +17,7 @@ from cllm.bench.metrics import (
 )
 from cllm.bench.report import BenchConfig, BenchReport, EnvironmentInfo, RunResult, compare_table, plot_report, runs_table
 from cllm.bench.serve import OpenAITarget, api_root
+from cllm.bench import workload
 from cllm.bench.workload import BenchPrompt, GenerationSettings, arrival_gaps, run_load
 
 
@@ -171,12 +172,32 @@ async def test_run_load_bounds_concurrency_and_keeps_failures() -> None:
     assert summary.failed == 1 and summary.failure_reasons == {"RuntimeError: injected": 1}
 
 
-async def test_run_load_poisson_arrivals_spread_sends() -> None:
+async def test_run_load_poisson_arrivals_spread_sends(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each send waits out its arrival gap. run_load's sleeps run on a clock of the test's own: on a
+    busy machine real timers fire late, and the lateness adds up from one gap to the next."""
+    clock = [0.0]
+
+    class ClockedAsyncio:
+        def __getattr__(self, name: str):
+            return getattr(asyncio, name)
+
+        @staticmethod
+        async def sleep(seconds: float) -> None:
+            await asyncio.sleep(0)  # the tasks already started run now, at the sleep's start...
+            clock[0] += seconds  # ...and the sleep ends ``seconds`` later
+    monkeypatch.setattr(workload, "asyncio", ClockedAsyncio())
     target = FakeTarget(delay=0.0)
+    sent: list[float] = []
+    send = target.send
+
+    async def clocked_send(prompt: BenchPrompt, *args):
+        sent.append(clock[0])
+        return await send(prompt, *args)
+    target.send = clocked_send
     gaps = arrival_gaps(5, 50.0, seed=7)
+    assert all(g > 0 for g in gaps[1:])
     await run_load(target, _prompts(5), GenerationSettings(seed=7), concurrency=None, request_rate=50.0, progress=False)
-    expected = np.cumsum(gaps)
-    assert target.send_times == pytest.approx(list(expected), abs=0.02)
+    assert sent == pytest.approx(list(np.cumsum(gaps)), abs=1e-12)
 
 
 def test_arrival_gaps() -> None:
