@@ -40,6 +40,7 @@ from cllm.server.protocol import (
     DeltaFunctionCall,
     DeltaMessage,
     DeltaToolCall,
+    FinishDelta,
     FunctionCall,
     ToolCallModel,
     UsageInfo,
@@ -231,7 +232,7 @@ class ChatFormatter:
         """No tools, no reasoning split: the delta is the content (the per-token fast path)."""
         logprobs = chat_logprobs(logprobs_delta) if self._logprobs and logprobs_delta else None
         if text_delta or logprobs:
-            delta = DeltaMessage(content=text_delta) if text_delta else DeltaMessage()
+            delta = DeltaMessage(content=text_delta or None)
             yield sse_model(self._chunk([ChatStreamChoice(index=index, delta=delta, logprobs=logprobs)]))
         if reason:
             reply.finished = True
@@ -259,7 +260,7 @@ class ChatFormatter:
     def _finish_chunk(self, index: int, reason: str) -> bytes:
         """The finish in a chunk of its own with an empty delta, as OpenAI ends every choice: a client
         that stops reading at the finish_reason has had all of the text by then."""
-        return sse_model(self._chunk([ChatStreamChoice(index=index, delta=DeltaMessage(), finish_reason=reason)]))
+        return sse_model(self._chunk([ChatStreamChoice(index=index, delta=FinishDelta(), finish_reason=reason)]))
 
     def usage_chunk(self, usage: UsageInfo) -> bytes:
         return sse_model(self._chunk([], usage))

@@ -335,17 +335,23 @@ class DeltaToolCall(_Response):
 
 
 class DeltaMessage(_Response):
-    """What a chunk adds to a choice's message: only the fields it sets (the last chunk: ``{}``)."""
+    """What a chunk adds to a choice's message. ``content`` is always sent (null in a chunk of reasoning,
+    logprobs or a call): clients read ``delta["content"]`` in every chunk until the finish (llama.cpp's
+    server tests do); the other fields only when set."""
 
     role: Literal["assistant"] | None = _optional()
-    content: str | None = _optional()
+    content: str | None = None
     reasoning_content: str | None = _optional()
     tool_calls: list[DeltaToolCall] | None = _optional()
 
 
+class FinishDelta(_Response):
+    """The delta of the chunk that ends a choice: ``{}``, as OpenAI's (the finish carries no text)."""
+
+
 class ChatStreamChoice(_Response):
     index: int
-    delta: DeltaMessage
+    delta: DeltaMessage | FinishDelta
     logprobs: ChatChoiceLogprobs | None = None
     finish_reason: str | None = None
 

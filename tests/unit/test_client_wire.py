@@ -75,7 +75,9 @@ def test_every_chat_chunk_carries_finish_reason_and_logprobs_and_the_finish_come
         # OpenAI's ending: the finish alone, with an empty delta; nothing before it finishes.
         assert mine[-1] == {"index": index, "delta": {}, "logprobs": None, "finish_reason": "stop"}
         assert all(c["finish_reason"] is None for c in mine[:-1])
-        assert "".join(c["delta"].get("content", "") for c in mine) == "Hello there!"
+        # Until the finish, every delta has "content" (null when a chunk brings none): clients index it.
+        assert all("content" in c["delta"] for c in mine[:-1])
+        assert "".join(c["delta"].get("content") or "" for c in mine) == "Hello there!"
         if logprobs:
             assert all(c["logprobs"]["content"] for c in mine[1:-1])
 
@@ -112,7 +114,7 @@ def test_a_tool_call_stream_ends_with_the_finish_alone(with_tools):
     events = _events(client.post("/v1/chat/completions", json={"messages": CHAT, "tools": TOOLS, "stream": True}))
     choices = _choices(events)
     assert choices[-1] == {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "tool_calls"}
-    assert all(c["finish_reason"] is None and "finish_reason" in c for c in choices[:-1])
+    assert all(c["finish_reason"] is None and "finish_reason" in c and "content" in c["delta"] for c in choices[:-1])
     fragments = [t for c in choices for t in c["delta"].get("tool_calls", [])]
     assert fragments[0]["function"] == {"name": "get_weather", "arguments": ""} and fragments[0]["id"]
     assert "name" not in fragments[1]["function"]  # optional fields absent, not null
