@@ -101,3 +101,19 @@ def test_chat_template_setting_reads_a_file_or_takes_a_template(tmp_path):
     assert chat_template_setting(None) is None
     with pytest.raises(ValueError, match="no such file"):
         chat_template_setting(str(tmp_path / "missing.jinja"))
+
+
+def test_thousands_of_control_tokens_are_matched_longest_first_and_fast():
+    """A vocabulary's thousands of control tokens: the longest one wins, and a 1 MB message stays fast (an
+    alternation of 6,000 words took 6 s on a 2-core machine; the trie regex 0.1 s)."""
+    import time
+
+    controls = tuple(f"<unused{i}>" for i in range(6000)) + ("<bos>", "<b")
+    chat = ChatTemplate(Templated("{{ messages[0].content }}", controls=controls))
+    segments = chat.render_segments([{"role": "user", "content": "x<unused12>y<unused123><bos> <b>"}],
+                                    add_generation_prompt=False)
+    assert [t for t, trusted in segments if not trusted] == ["<unused12>", "<unused123>", "<bos>", "<b"]
+    big = [{"role": "user", "content": "Hello <world>, <b>a</b> of <unused text. " * 25_000}]
+    start = time.perf_counter()
+    chat.render_segments(big, add_generation_prompt=False)
+    assert time.perf_counter() - start < 2.0
