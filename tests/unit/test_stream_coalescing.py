@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import statistics
+import threading
 import time
 
 import pytest
 
 import cllm
+from cllm.engine.async_llm import COALESCE_MAX_S, SETTLE_ITERATIONS
 from tests.unit.fakes import FakeBackend, fake_config
 
 STREAMS = 8
@@ -48,13 +50,56 @@ def test_a_busy_loop_gets_several_tokens_an_output() -> None:
     assert statistics.mean(sizes) >= 2.5
 
 
+class _PacedBackend(FakeBackend):
+    """A forward pass that starts once the readers have taken every token of the previous ones (and the
+    loop has run on past the hand-over's settling), then lasts longer than any hand-over is allowed to
+    count as busy (COALESCE_MAX_S): the loop keeps up by construction, however busy the machine is."""
+
+    def __init__(self, slots: int) -> None:
+        super().__init__(slots=slots, forward_sleep_s=COALESCE_MAX_S + 0.01)
+        self.turn = threading.Condition()
+        self.produced = self.taken = 0
+        self.held_back: list[int] = []  # forward passes that found the previous tokens still not handed over
+
+    def forward_batch(self, flat_ids, positions, sequence_ids, **kwargs):
+        with self.turn:
+            if not self.held_back and not self.turn.wait_for(lambda: self.taken >= self.produced, timeout=5):
+                self.held_back.append(len(self.batches))
+            self.produced += len(set(sequence_ids))  # one token sampled per sequence (1-token prompts)
+        return super().forward_batch(flat_ids, positions, sequence_ids, **kwargs)
+
+    async def took(self, tokens: int) -> None:
+        """On the loop: a reader got ``tokens``; counted once the loop has run past the hand-over's
+        SETTLE_ITERATIONS (the engine then sees the loop free)."""
+        for _ in range(SETTLE_ITERATIONS + 2):
+            await asyncio.sleep(0)
+        with self.turn:
+            self.taken += tokens
+            self.turn.notify_all()
+
+
 def test_a_loop_that_keeps_up_gets_every_step_at_once() -> None:
-    """Steps of 20 ms (the GIL released, as a real forward) and a reader that costs nothing: no step's
-    tokens wait for a later one (bar the odd step on a machine busy elsewhere)."""
-    backend = FakeBackend(slots=STREAMS, forward_sleep_s=0.02)
+    """Steps longer than the loop's work (the GIL released, as a real forward) and a reader that keeps
+    up: no step's tokens wait for a later one."""
+    backend = _PacedBackend(slots=STREAMS)
     engine = cllm.AsyncLLM(backend=backend, config=fake_config(n_seq_max=STREAMS))
-    sizes = asyncio.run(_tokens_per_output(engine, busy_s=0.0, tokens=30))
-    assert sum(1 for n in sizes if n == 1) >= 0.8 * len(sizes)
+    params = cllm.SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+
+    async def read(prompt: int) -> list[int]:
+        sizes = []
+        async for out in engine.generate([prompt], params):
+            sizes.append(len(out.outputs[0].token_ids_delta))
+            await backend.took(sizes[-1])
+        return sizes
+
+    async def run() -> list[list[int]]:
+        try:
+            return await asyncio.gather(*(read(1 + i) for i in range(STREAMS)))
+        finally:
+            await engine.shutdown()
+    per_stream = asyncio.run(asyncio.wait_for(run(), timeout=120))
+    assert backend.held_back == []
+    assert [[n for n in sizes if n] for sizes in per_stream] == [[1] * 20] * STREAMS
 
 
 def test_short_steps_hand_every_token_over_in_order() -> None:
