@@ -244,13 +244,19 @@ def test_prefix_affinity_routes_a_cached_prefix_to_its_replica(cluster):
 def test_metrics_aggregate_the_replicas(cluster):
     url = cluster.deploy("colocated", replicas=2)
     cluster.complete("Count to five:", 8)
-    time.sleep(1.2)  # replicas post every 0.5 s, the ingress reads every 0.5 s
-    metrics = {line.split(" ")[0]: float(line.split(" ")[1]) for line in cluster.client.get(url + "/metrics").text.splitlines()
-               if line.startswith("cllm_") and " " in line and "{" not in line}
-    reports = board_reports()
-    assert len(reports) == 2
-    assert metrics["cllm_slots_total"] == 2 * ENGINE["n_seq_max"]
-    assert metrics["cllm_generation_tokens_total"] == sum(r.stats.generation_tokens_total for r in reports) >= 8
+    seen: dict = {}
+
+    def aggregated() -> bool:
+        """Replicas post their stats every 0.5 s and the ingress reads them every 0.5 s: wait until the
+        ingress's /metrics shows the tokens and agrees with the board."""
+        text = cluster.client.get(url + "/metrics").text
+        seen["metrics"] = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
+                           if line.startswith("cllm_") and " " in line and "{" not in line}
+        seen["reports"] = board_reports()
+        board_total = sum(r.stats.generation_tokens_total for r in seen["reports"])
+        return len(seen["reports"]) == 2 and seen["metrics"]["cllm_generation_tokens_total"] == board_total >= 8
+    wait_for(aggregated, "the ingress's metrics to aggregate both replicas", 30)
+    assert seen["metrics"]["cllm_slots_total"] == 2 * ENGINE["n_seq_max"]
 
 
 def stream_completion(cluster: Cluster, prompt: str, max_tokens: int, sink: dict) -> None:
@@ -325,11 +331,15 @@ def test_prefill_decode_disaggregation_gives_the_same_greedy_output(cluster, ref
     cluster.deploy("pd", pd="prefill=1,decode=1")
     prompt = "A short history of the printing press:"
     assert cluster.complete(prompt, 32)["choices"][0]["text"] == greedy(reference, prompt, 32)
-    wait_for(lambda: {r.role for r in board_reports()} == {"prefill", "decode"}, "both roles on the board", 10)
-    time.sleep(1.0)
-    by_role = {r.role: r.stats for r in board_reports()}
-    assert by_role["prefill"].prompt_tokens_total > 0 and by_role["decode"].prompt_tokens_total == 0
-    assert by_role["decode"].generation_tokens_total > by_role["prefill"].generation_tokens_total
+    by_role: dict = {}
+
+    def both_posted() -> bool:
+        """Each replica posts its stats every 0.5 s: wait for the posts that count this request."""
+        by_role.update({r.role: r.stats for r in board_reports()})
+        return set(by_role) == {"prefill", "decode"} and by_role["prefill"].prompt_tokens_total > 0 \
+            and by_role["decode"].generation_tokens_total > by_role["prefill"].generation_tokens_total
+    wait_for(both_posted, "both roles' stats on the board", 30)
+    assert by_role["decode"].prompt_tokens_total == 0  # the decode replica evaluated no prompt: its KV came over
 
 
 def test_killing_the_chunk_holder_mid_pd_hangs_no_request(cluster):
