@@ -29,6 +29,7 @@ from cllm.stress.fuzz import run_fuzz
 from cllm.stress.load import run_load
 from cllm.stress.server_process import ServerProcess, finish_server, start_server
 from cllm.stress.sigterm import run_sigterm
+from cllm.stress.held_connections import held_connections_failures, run_held_connections
 from cllm.stress.stalled import run_stalled_readers, start_null_server
 
 
@@ -104,12 +105,21 @@ def _scenarios() -> dict[str, Callable[[Size], tuple[Any, list[str]]]]:
             finish_server(server)
         return r, verdicts.stalled_failures(r)
 
+    def held_connections(_: Size) -> tuple[Any, list[str]]:  # stalled readers under a cap of 4 connections
+        server = start_null_server("stream_stall_timeout_s=3", "log_level=warning", "max_connections=4", sndbuf=16384)
+        try:
+            r = asyncio.run(run_held_connections(server, cap=4))
+        finally:
+            finish_server(server)
+        return r, held_connections_failures(r)
+
     def faults(_: Size) -> tuple[Any, list[str]]:
         r = run_decode_fault()
         return r, verdicts.fault_failures(r)
 
     return {"load": load, "disconnects": disconnects, "fuzz": fuzz, "flood": flood,
-            "slow_readers": slow_readers, "stalled": stalled, "faults": faults, "sigterm": _sigterm}
+            "slow_readers": slow_readers, "stalled": stalled, "held_connections": held_connections,
+            "faults": faults, "sigterm": _sigterm}
 
 
 def main(argv: list[str] | None = None) -> int:
