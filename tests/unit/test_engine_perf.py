@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
+import threading
 import time
 
 import cllm
@@ -221,39 +222,53 @@ def test_default_n_threads_follows_the_cpus_this_process_may_use():
     assert out.stdout.strip() == "1", out.stderr
 
 
-class _SlowBackend(FakeBackend):
-    """Each forward takes a while, as a big llama_decode does."""
+class _HeldBackend(FakeBackend):
+    """Its second forward pass (a decode step, the request running) lasts until the test lets it end;
+    the first lasts past async_llm.PUBLISH_EVERY_S, so the snapshot after it is published for sure."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.in_step = threading.Event()  # the held forward has begun
+        self.end_step = threading.Event()  # let it end
 
     def forward_batch(self, flat_ids, positions, sequence_ids, *, logits_for=None):
-        import time
-
-        time.sleep(0.4)
+        if not self.batches:
+            time.sleep(async_llm.PUBLISH_EVERY_S * 1.5)  # (a lower bound: late wake-ups only add to it)
+        elif len(self.batches) == 1:
+            self.in_step.set()
+            self.end_step.wait(STEP_HELD_S)
         return super().forward_batch(flat_ids, positions, sequence_ids, logits_for=logits_for)
 
 
-def test_stats_and_running_requests_do_not_wait_for_a_running_step():
-    import time
+STEP_HELD_S = 10.0  # (the held step's bound, should the test never let it end)
 
+
+def test_stats_and_running_requests_do_not_wait_for_a_running_step():
     async def main() -> tuple[float, float, int, int]:
-        engine = cllm.AsyncLLM(backend=_SlowBackend(slots=2), config=fake_config())
+        backend = _HeldBackend(slots=2)
+        engine = cllm.AsyncLLM(backend=backend, config=fake_config())
 
         async def one() -> None:
             async for _ in engine.generate([1, 2], cllm.SamplingParams(max_tokens=4, temperature=0)):
                 pass
         task = asyncio.ensure_future(one())
-        await asyncio.sleep(0.6)  # the first step has run; a later one is in its forward now
-        start = time.perf_counter()
-        stats = engine.stats()
-        stats_s = time.perf_counter() - start
-        start = time.perf_counter()
-        running = engine.running_requests()
-        running_s = time.perf_counter() - start
+        try:
+            assert await asyncio.to_thread(backend.in_step.wait, 30), "the second step never began"
+            start = time.perf_counter()
+            stats = engine.stats()  # the step is still running: it ends only when end_step is set below
+            stats_s = time.perf_counter() - start
+            start = time.perf_counter()
+            running = engine.running_requests()
+            running_s = time.perf_counter() - start
+        finally:
+            backend.end_step.set()
         await task
         done = engine.stats().requests_finished.get("length", 0)
         await engine.shutdown()
         return stats_s, running_s, stats.num_running + len(running), done
 
     stats_s, running_s, seen, done = asyncio.run(main())
-    assert stats_s < 0.1 and running_s < 0.1  # a lock wait would take the rest of the 0.4 s step
+    # Waiting for the step's lock would have lasted until the step was let go (STEP_HELD_S).
+    assert stats_s < STEP_HELD_S / 2 and running_s < STEP_HELD_S / 2
     assert seen == 2  # the snapshot shows the request running
     assert done == 1  # and the final one counts it finished
