@@ -156,6 +156,23 @@ def test_the_held_back_text_is_the_longest_stop_prefix_that_ends_the_text(steps,
             break
         d.take_delta()
         assert d.text_length - d._emitted == _held_back_reference(d.text, stop)
+    assert (d.text, d.stopped_on) == _reference_checked(steps, stop)
+
+
+def _reference_checked(steps: list[tuple[int, bool]], stop: list[str]) -> tuple[str, str | None]:
+    """_reference with some tokens unchecked: the whole-string scan after every checked token."""
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    text = ""
+    longest = max(len(s) for s in stop)
+    for t, check in steps:
+        before = len(text)
+        text += decoder.decode(ByteTokenizer().token_bytes(t))
+        hits = [(text.find(s, max(0, before - longest + 1)), s) for s in stop] if check else []
+        hits = [(i, s) for i, s in hits if i >= 0]
+        if hits:
+            i, s = min(hits)
+            return text[:i], s
+    return text, None
 
 
 class _OperationCounter:
