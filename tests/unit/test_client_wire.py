@@ -164,6 +164,9 @@ def test_openai_routes_answer_without_v1_behind_the_same_key():
             assert _same_shape(resp.json()) == _same_shape(client.request(method, "/v1" + path, json=body, headers=auth).json())
         assert client.get("/v1/health").json() == {"status": "ok"}  # public, as /health (and llama-server's)
         assert client.post("/messages", json={}, headers=auth).status_code == 404  # Anthropic's clients add /v1
+        metrics = client.get("/metrics", headers=auth).text
+        for _, path, _ in calls:  # counted under their own route label, not "other"
+            assert f'code="200",route="{path}"' in metrics, path
 
 
 def _same_shape(body: dict) -> dict:
