@@ -7,6 +7,7 @@ import pytest
 
 from cllm.engine.llm_engine import LLMEngine
 from cllm.sampling.params import SamplingParams
+from cllm.scheduler import scheduler as scheduler_module
 from cllm.scheduler.scheduler import AUTO_MIN_PREFILL_PER_STEP, _RefusedAdmission
 from tests.unit.fakes import EOS, FakeBackend, fake_config, run_all
 
@@ -63,12 +64,25 @@ def test_pool_exhaustion_waits_then_runs_everything():
     assert backend.held == {} and backend.num_free_slots() == 2
 
 
-def test_slot_released_on_finish_abort_failure_and_timeout():
+class _ClockAhead:
+    """The time module, with monotonic() ``ahead_s`` seconds later: a deadline passes when the test says."""
+
+    def __init__(self, ahead_s: float) -> None:
+        self.ahead_s = ahead_s
+
+    def __getattr__(self, name: str):
+        return getattr(time, name)
+
+    def monotonic(self) -> float:
+        return time.monotonic() + self.ahead_s
+
+
+def test_slot_released_on_finish_abort_failure_and_timeout(monkeypatch: pytest.MonkeyPatch):
     engine, backend = make_engine(FakeBackend(slots=4))
     engine.add_request([1], SamplingParams(max_tokens=1, temperature=0), request_id="done")
     engine.add_request([2], SamplingParams(max_tokens=50, temperature=0), request_id="aborted")
     engine.add_request([3], SamplingParams(max_tokens=50, temperature=0), request_id="failed")
-    engine.add_request([4], SamplingParams(max_tokens=50, temperature=0), request_id="late", timeout_s=0.05)
+    engine.add_request([4], SamplingParams(max_tokens=50, temperature=0), request_id="late", timeout_s=3600)
     engine.step(); engine.step()
     assert "done" in backend.released
     assert engine.abort_request("aborted").outputs[0].finish_reason == "abort"
@@ -76,7 +90,8 @@ def test_slot_released_on_finish_abort_failure_and_timeout():
     outs = {o.request_id: o for o in engine.step()}
     assert outs["failed"].outputs[0].finish_reason == "error" and "injected" in outs["failed"].error
     backend.fail_when = set()
-    time.sleep(0.06)
+    assert "late" in engine.request_ids() and not outs["late"].finished  # running still: its hour has not passed
+    monkeypatch.setattr(scheduler_module, "time", _ClockAhead(3601))  # now it has
     outs = {o.request_id: o for o in engine.step()}
     assert outs["late"].outputs[0].finish_reason == "timeout"
     assert backend.held == {}
