@@ -2,12 +2,13 @@
 from __future__ import annotations
 
 import io
-import time
+import re
+import threading
 
 import pytest
 
 from cllm.config import CllmConfig
-from cllm.progress import format_duration, model_load_phase, phase
+from cllm.progress import Phase, format_duration, model_load_phase, phase
 from cllm.server.ready import base_url, curl_line, ready_lines
 
 
@@ -43,9 +44,18 @@ def test_bar_on_a_terminal_counts_parts_and_time(monkeypatch):
             p.advance()
     assert "4/4" in out.getvalue() and "graph" in out.getvalue()
     out = _Tty()
+    moved = threading.Event()
+    redraw = Phase._redraw
+
+    def redrawing(self: Phase) -> None:
+        redraw(self)
+        if not self._counted and self.done > 0:
+            moved.set()  # the ticker redrew the bar with the time elapsed
+    monkeypatch.setattr(Phase, "_redraw", redrawing)
     with phase("loading", estimate_s=0.6, stream=out):
-        time.sleep(0.5)
-    assert "of about 0.6 s" in out.getvalue() and "%|" in out.getvalue()
+        assert moved.wait(30), "the bar never moved with the clock"
+    assert "of about 0.6 s" in out.getvalue()
+    assert re.search(r" [1-9]\d?%\|", out.getvalue()), out.getvalue()  # between 1 and 99 %: time has counted
     out = _Tty()
     with phase("compiling", estimate_s=100, stream=out) as p:
         p.update(0.42)
