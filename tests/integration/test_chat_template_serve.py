@@ -17,11 +17,12 @@ COUNT = [{"role": "user", "content": "Count from 1 to 10, separated by commas."}
          {"role": "assistant", "content": "1, 2, 3, 4,"}]
 
 
-@pytest.fixture(scope="module")
-def srv(tmp_path_factory) -> Iterator[ServerProcess]:
+@pytest.fixture(scope="module", params=["off", "on"])
+def srv(request, tmp_path_factory) -> Iterator[ServerProcess]:
+    """The server in-process and with the engine core in its own process (whose API side tokenises)."""
     path = tmp_path_factory.mktemp("template") / "chatml-custom.jinja"
     path.write_text(TEMPLATE)
-    server = start_server("--chat-template", str(path))
+    server = start_server("--chat-template", str(path), "--set", f"engine_process={request.param}")
     yield server
     finish_server(server)
 
