@@ -176,7 +176,7 @@ def _mount_bench() -> None:
 
         @app.command(name="bench")
         def bench_missing() -> None:
-            """Benchmarks (needs `pip install cllm[bench]`)."""
+            """Benchmarks (needs `pip install cllm\\[bench]`)."""  # "\\[": rich would drop "[bench]"
             typer.echo(f"error: cllm bench needs the bench extras: {reason}", err=True)
             raise typer.Exit(2)
         return
