@@ -56,6 +56,7 @@ class HeaderLimitsProtocol(HttpToolsProtocol):
         self._headers_too_large = False  # set when complete headers turn out over the bound
         self._header_timer: asyncio.TimerHandle | None = None
         self._write_timer: asyncio.TimerHandle | None = None  # runs while the transport's buffer is full
+        self._write_buffered = 0  # bytes the transport held when the write timer was last armed
         self._start_clock()
 
     def data_received(self, data: bytes) -> None:
@@ -101,7 +102,11 @@ class HeaderLimitsProtocol(HttpToolsProtocol):
         """The transport's buffer is over its high-water mark: the response's sends block from now on."""
         super().pause_writing()
         if self.write_timeout_s is not None and self._write_timer is None:
-            self._write_timer = self.loop.call_later(self.write_timeout_s, self._on_write_timeout)
+            self._arm_write_timer(self.write_timeout_s)
+
+    def _arm_write_timer(self, timeout_s: float) -> None:
+        self._write_buffered = self.transport.get_write_buffer_size()
+        self._write_timer = self.loop.call_later(timeout_s, self._on_write_timeout, timeout_s)
 
     def resume_writing(self) -> None:
         super().resume_writing()
@@ -112,10 +117,15 @@ class HeaderLimitsProtocol(HttpToolsProtocol):
             self._write_timer.cancel()
             self._write_timer = None
 
-    def _on_write_timeout(self) -> None:
+    def _on_write_timeout(self, timeout_s: float) -> None:
         self._write_timer = None
+        if self.transport.get_write_buffer_size() < self._write_buffered:
+            # The client read something (a slow link, not a stalled reader; while paused, nothing is
+            # added to the buffer): time it again from now, as nginx's send_timeout does.
+            self._arm_write_timer(timeout_s)
+            return
         log.warning("%sresetting a connection whose client read nothing for %g s (stream_stall_timeout_s) "
-                    "while a response waited", self._client_prefix(), self.write_timeout_s)
+                    "while a response waited", self._client_prefix(), timeout_s)
         # A reset: abort(), not close(), which would flush the buffer first, and no lingering: a socket
         # closed with unsent data stays with the kernel (and open for its client) until the data is
         # read. connection_lost then marks the request disconnected and wakes its blocked send: the

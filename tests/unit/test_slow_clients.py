@@ -227,3 +227,88 @@ def test_a_stalled_reader_is_disconnected_and_its_place_under_the_cap_freed():
         finally:
             for sock in stalled:
                 sock.close()
+
+
+class _Timer:
+    def __init__(self, delay: float, callback, args: tuple) -> None:
+        self.delay, self.callback, self.args, self.cancelled = delay, callback, args, False
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+    def fire(self) -> None:
+        assert not self.cancelled
+        self.cancelled = True  # done: a timer fires once
+        self.callback(*self.args)
+
+
+class _Loop:
+    """Records call_later: the protocol's clocks, fired by the test."""
+
+    def __init__(self) -> None:
+        self.timers: list[_Timer] = []
+
+    def call_later(self, delay: float, callback, *args) -> _Timer:
+        self.timers.append(_Timer(delay, callback, args))
+        return self.timers[-1]
+
+    def write_timers(self) -> list[_Timer]:
+        return [t for t in self.timers if t.callback.__name__ == "_on_write_timeout" and not t.cancelled]
+
+
+class _Transport:
+    """A transport whose write buffer the test sets; ``abort()`` recorded."""
+
+    def __init__(self) -> None:
+        self.buffered = 0
+        self.aborted = False
+
+    def get_write_buffer_size(self) -> int:
+        return self.buffered
+
+    def get_extra_info(self, name: str, default=None):
+        return default
+
+    def is_closing(self) -> bool:
+        return self.aborted
+
+    def abort(self) -> None:
+        self.aborted = True
+
+
+def _protocol(write_timeout_s: float) -> tuple[HttpToolsProtocol, _Loop, _Transport]:
+    from uvicorn.config import Config
+    from uvicorn.server import ServerState
+
+    from cllm.server.slow_clients import header_limits_protocol
+
+    cls = header_limits_protocol(header_timeout_s=30, max_header_bytes=16384, write_timeout_s=write_timeout_s)
+    loop, transport = _Loop(), _Transport()
+    protocol = cls(config=Config(FastAPI()), server_state=ServerState(), app_state={}, _loop=loop)
+    protocol.connection_made(transport)
+    return protocol, loop, transport
+
+
+def test_a_client_that_reads_slowly_is_not_reset_and_one_that_stops_is():
+    """The write timeout times a client that reads nothing: one whose reads drain the buffer, however
+    slowly (a slow link), is timed again from its last read; one that read nothing since is reset."""
+    protocol, loop, transport = _protocol(write_timeout_s=5.0)
+    transport.buffered = 100_000
+    protocol.pause_writing()  # the buffer is full: the response's sends block
+    [timer] = loop.write_timers()
+    assert timer.delay == 5.0
+    transport.buffered = 90_000  # the client read 10 kB in those 5 s: still below the low-water mark
+    timer.fire()
+    assert not transport.aborted
+    [timer] = loop.write_timers()  # armed again, from now
+    timer.fire()  # and nothing read since
+    assert transport.aborted
+
+
+def test_writes_that_resume_stop_the_write_clock():
+    protocol, loop, transport = _protocol(write_timeout_s=5.0)
+    transport.buffered = 100_000
+    protocol.pause_writing()
+    transport.buffered = 10_000
+    protocol.resume_writing()
+    assert loop.write_timers() == [] and not transport.aborted
