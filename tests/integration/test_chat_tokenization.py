@@ -39,6 +39,8 @@ FAMILIES = {
     "deepseek": ("ggml-vocab-deepseek-llm.gguf", "deepseek-ai-DeepSeek-V3.1.jinja"),
     "qwen": ("ggml-vocab-qwen2.gguf", "Qwen-Qwen2.5-7B-Instruct.jinja"),
     "smollm2": (None, None),
+    # the case issue 46 saw: "\n\n" ending each header, over a GPT-2-style pre-tokeniser (Ċ Ċ, not ĊĊ)
+    "llama3-template-gpt2-vocab": ("ggml-vocab-gpt-2.gguf", "meta-llama-Llama-3.1-8B-Instruct.jinja"),
 }
 # llama.cpp's tokenizer itself differs from transformers' (same text, other ids) for these: SentencePiece
 # gets a word-start space after every control token in llama.cpp; Phi-3's role tokens strip the newline
