@@ -80,7 +80,6 @@ class ChatTemplate:
             raise ValueError("the model has no chat template in its metadata; use completions with a plain prompt, "
                              "or give one with the chat_template setting (--chat-template)")
         self._template = compile_template(source)
-        self._source = source
         eos = sorted(tokenizer.eos_token_ids)
         bos = tokenizer.bos_token_id
         self._bos = tokenizer.special_token(bos) if bos is not None else ""
