@@ -40,6 +40,7 @@ def test_contention_lowers_the_contexts_threads_and_quiet_brings_them_back(llm):
     backend = llm.engine.backend
     ctx = backend._ctx.ptr
     clock = backend._step_clock = ScriptedClock(backend)
+    backend._cpu_room = None  # step times alone (the room's early probes: the next test)
     assert backend.thread_governor is not None and C.llama_n_threads(ctx) == 2
     _generate(llm, 12)
     assert C.llama_n_threads(ctx) == 2 and llm.stats().compute_threads == 2
@@ -52,9 +53,31 @@ def test_contention_lowers_the_contexts_threads_and_quiet_brings_them_back(llm):
     backend.embed([[1, 2, 3]])  # embeddings run with the same, lowered count
     assert C.llama_n_threads(backend._embedder._ctx.ptr) == 1
     clock.times = QUIET
-    _generate(llm, 80)  # the next probe of 2 threads (after 16 or 32 steps) wins
+    _generate(llm, 100)  # the next probe of 2 threads (after 32 or 64 steps) wins
     assert backend.thread_governor.current == 2 and C.llama_n_threads(ctx) == 2
     assert llm.stats().compute_threads_lowered == 1
+
+
+class ScriptedRoom:
+    def __init__(self) -> None:
+        self.room = 2.0
+
+    def sample(self) -> float:
+        return self.room
+
+
+def test_the_cpu_room_brings_the_threads_back_within_a_few_steps(llm):
+    backend = llm.engine.backend
+    clock = backend._step_clock = ScriptedClock(backend)
+    room = backend._cpu_room = ScriptedRoom()
+    backend._cores_per_cpu = 1.0
+    _generate(llm, 12)
+    clock.times, room.room = BUSY, 1.1  # a competitor: two threads of ours share one CPU
+    _generate(llm, 12)
+    assert C.llama_n_threads(backend._ctx.ptr) == 1
+    clock.times, room.room = QUIET, 2.0  # it stops
+    _generate(llm, 8)
+    assert C.llama_n_threads(backend._ctx.ptr) == 2 and backend.thread_governor.current == 2
 
 
 @pytest.mark.parametrize("settings", [{"n_threads": 2}, {"adapt_threads": "off"}])

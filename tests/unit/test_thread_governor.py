@@ -116,3 +116,46 @@ def test_a_class_of_prefill_chunks_spans_less_than_the_slow_factor():
         members.setdefault(work_class(n, 0), []).append(n)
     assert all(max(ns) / min(ns) < GovernorSettings().slow_factor for ns in members.values())
     assert work_class(1, 0) != work_class(2, 0) != work_class(3, 0) != work_class(4, 0)
+
+
+def run_with_room(gov: ThreadGovernor, times: dict[int, float], room: float, steps: int) -> list[int]:
+    used = []
+    for _ in range(steps):
+        t = gov.threads_for_step(room)
+        used.append(t)
+        gov.observe(DECODE, times[t])
+    return used
+
+
+def test_room_for_a_thread_more_brings_it_back_within_a_few_steps():
+    gov = ThreadGovernor(top=2)
+    run_with_room(gov, QUIET, 2.0, 20)
+    run_with_room(gov, BUSY, 1.2, 2000)  # the competitor leaves us one CPU: no room, step-count probes only
+    assert gov.current == 1
+    used = run_with_room(gov, QUIET, 2.0, 20)  # the competitor stops: both CPUs are ours again
+    assert used.index(2) <= GovernorSettings().room_probe_every
+    assert gov.current == 2
+
+
+def test_no_room_means_no_early_probes():
+    gov = ThreadGovernor(top=2)
+    run_with_room(gov, QUIET, 2.0, 20)
+    used = run_with_room(gov, BUSY, 1.1, 1000)
+    assert used[3:].count(2) <= 5  # the step-count probes (32, 64, 128, 256, 512 steps apart)
+
+
+def test_busy_from_the_start_is_found_early_when_the_room_is_short():
+    gov = ThreadGovernor(top=2)
+    used = run_with_room(gov, BUSY, 1.2, 20)  # two threads of ours and a competitor on two CPUs
+    assert gov.current == 1 and used.index(1) <= GovernorSettings().room_probe_every
+
+
+def test_a_room_that_misleads_costs_no_more_than_the_step_count_probes():
+    # a cgroup quota: the mask's CPUs look idle, but a thread more only gets throttled
+    gov = ThreadGovernor(top=2)
+    run_with_room(gov, QUIET, 2.0, 20)
+    run_with_room(gov, BUSY, 1.2, 10)
+    assert gov.current == 1
+    used = run_with_room(gov, BUSY, 2.0, 4000)
+    assert gov.current == 1
+    assert used.count(2) <= 2 * 10  # room probes 4, 8, ... 1024 steps apart, and the step-count ones

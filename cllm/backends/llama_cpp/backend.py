@@ -34,8 +34,9 @@ from cllm.backends.llama_cpp.offload import kv_cache_type, resolve_gpu_layers
 from cllm.backends.llama_cpp.prompt_cache import PromptCache, SavedPrompt
 from cllm.backends.llama_cpp.sizing import available_memory, kv_shape, prompt_cache_bytes
 from cllm.backends.llama_cpp.slot_pool import SeqSlotPool, Slot
+from cllm.backends.llama_cpp.cpu_room import CpuRoom
 from cllm.backends.llama_cpp.thread_governor import ThreadGovernor, work_class
-from cllm.backends.llama_cpp.threads import default_n_threads
+from cllm.backends.llama_cpp.threads import default_n_threads, physical_cores, usable_cpus
 from cllm.backends.llama_cpp.tokenizer import LlamaCppTokenizer
 from cllm.backends.llama_cpp.weights import prepare_weights
 from cllm.config import CllmConfig
@@ -107,6 +108,9 @@ class LlamaCppBackend(Backend):
         adapt = lc.adapt_threads == "auto" and m.n_threads is None and not self.n_gpu_layers and self._n_threads > 1
         self.thread_governor = ThreadGovernor(top=self._n_threads) if adapt else None
         self._threads_now = self._n_threads
+        cpus = usable_cpus()
+        self._cpu_room = CpuRoom(cpus) if adapt else None
+        self._cores_per_cpu = physical_cores(cpus) / max(1, len(cpus))  # room counts hyper-threads; threads, cores
         self._step_clock = time.perf_counter  # what decodes are timed with (tests script it)
         self._tokenizer = LlamaCppTokenizer(model=self._model, chat_template=m.chat_template)
         self._pool = SeqSlotPool(size=n_seq_max)
@@ -395,7 +399,8 @@ class LlamaCppBackend(Backend):
         governor = self.thread_governor
         if governor is None:
             return self._run_decode()
-        threads = governor.threads_for_step()
+        room = self._cpu_room.sample() if self._cpu_room is not None else None
+        threads = governor.threads_for_step(None if room is None else room * self._cores_per_cpu)
         if threads != self._threads_now:
             self._ctx.set_n_threads(threads)
             self._threads_now = threads

@@ -22,6 +22,13 @@ on a load that comes and goes, so it is measured at run time, step by step:
 - A machine busy from the start gives no quiet floor to compare with, so every
   ``explore_every`` steps (doubling on each loss) one step also tries one thread
   fewer, with the same rule.
+- The CPU room (cpu_room.py: the CPUs this process could have used lately, its own
+  time plus its CPUs' idle time) calls for those probes early: a CPU free for one
+  thread more, or fewer CPUs than threads, and the probe runs within
+  ``room_probe_every`` steps (doubling on each loss, so a room that misleads, as
+  under a cgroup quota, costs no more than the step-count probes). So the count
+  comes back up within a few steps of the contention ending, while the step-count
+  probes, no longer needed for that, stay rare.
 
 Plain Python over observed durations, no clock of its own: tests feed step times.
 """
@@ -49,11 +56,14 @@ class GovernorSettings:
     slow_factor: float = 2.0  # a step this many times its floor is slow
     patience: int = 3  # slow steps in a row before one thread fewer
     win_ratio: float = 0.85  # a probe wins at most this fraction of the current count's recent time
-    probe_every: int = 16  # steps at a reduced count between probes of one thread more
+    probe_every: int = 32  # steps at a reduced count between probes of one thread more
     probe_every_max: int = 1024  # the longest interval lost probes grow to
     explore_every: int = 256  # steps between tries of one thread fewer with no slowdown seen
     explore_every_max: int = 8192
     ewma: float = 0.3  # weight of the newest step in ``recent``
+    room_probe_every: int = 4  # fewest steps between probes that the CPU room (cpu_room.py) calls for
+    room_up: float = 0.75  # room >= current + this: a thread more may have a CPU to run on
+    room_down: float = 0.5  # room <= current - this: some of our threads have none
 
 
 @dataclass(slots=True)
@@ -83,6 +93,9 @@ class ThreadGovernor:
     _down_every: int = 0
     _steps_at_current: int = 0
     _probe: int | None = None  # the count the next step runs with, when it is a probe
+    _probe_by_room: bool = False  # that probe was called for by the CPU room, not by the step count
+    _room_up_every: int = 0
+    _room_down_every: int = 0
 
     def __post_init__(self) -> None:
         if self.top < 1:
@@ -90,14 +103,23 @@ class ThreadGovernor:
         self.current = self.current or self.top
         self._up_every = self.settings.probe_every
         self._down_every = self.settings.explore_every
+        self._room_up_every = self._room_down_every = self.settings.room_probe_every
 
-    def threads_for_step(self) -> int:
-        """The thread count the next step should run with (a probe's, once in a while)."""
+    def threads_for_step(self, room: float | None = None) -> int:
+        """The thread count the next step should run with (a probe's, once in a while). ``room``: the CPUs
+        this process could have used lately (CpuRoom), None if unknown; it calls for probes early."""
         if self._probe is None:
+            s = self.settings
+            up_room = room is not None and room >= self.current + s.room_up
+            down_room = room is not None and room <= self.current - s.room_down
             if self.current < self.top and self._since_up >= self._up_every:
-                self._probe = self.current + 1
+                self._probe, self._probe_by_room = self.current + 1, False
+            elif self.current < self.top and up_room and self._since_up >= self._room_up_every:
+                self._probe, self._probe_by_room = self.current + 1, True
             elif self.current > 1 and self._since_down >= self._down_every:
-                self._probe = self.current - 1
+                self._probe, self._probe_by_room = self.current - 1, False
+            elif self.current > 1 and down_room and self._since_down >= self._room_down_every:
+                self._probe, self._probe_by_room = self.current - 1, True
         return self._probe if self._probe is not None else self.current
 
     def observe(self, work: tuple[int, int], seconds: float) -> None:
@@ -146,14 +168,20 @@ class ThreadGovernor:
                                 f"the time at {self.current}")
             return
         s = self.settings
+        if known is None:  # no comparison yet: not a loss
+            pass
+        elif up and self._probe_by_room:
+            self._room_up_every = min(s.probe_every_max, self._room_up_every * 2)
+        elif up:
+            self._up_every = min(s.probe_every_max, self._up_every * 2)
+        elif self._probe_by_room:
+            self._room_down_every = min(s.explore_every_max, self._room_down_every * 2)
+        else:
+            self._down_every = min(s.explore_every_max, self._down_every * 2)
         if up:
             self._since_up = 0
-            if known is not None:  # no comparison yet: not a loss
-                self._up_every = min(s.probe_every_max, self._up_every * 2)
         else:
             self._since_down = 0
-            if known is not None:
-                self._down_every = min(s.explore_every_max, self._down_every * 2)
 
     def _move(self, threads: int, reason: str) -> None:
         self.lowered += threads < self.current
@@ -165,3 +193,4 @@ class ThreadGovernor:
         self._since_down = 0
         self._steps_at_current = 0
         self._down_every = self.settings.explore_every
+        self._room_up_every = self._room_down_every = self.settings.room_probe_every
