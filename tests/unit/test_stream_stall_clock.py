@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Callable
 
+import httpx
 import pytest
 
 import cllm
@@ -14,6 +15,8 @@ from cllm.server.client_quota import AdmissionPolicy, ClientLease, ClientQuota
 from cllm.server.errors import APIError
 from cllm.server.generation import GenerationStream
 from cllm.server.metrics import ServerMetrics
+from tests.unit.fakes import fake_config
+from tests.unit.live_server import SlowFakeBackend, live_server
 
 STALL_S = 5.0
 
@@ -132,3 +135,17 @@ class _SteppedEngine:
                 self._done.put_nowait(None)
         finally:
             self._done.put_nowait(None)
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", {"prompt": ["ab", "cd"], "max_tokens": 2}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "n": 2}),
+], ids=["prompt-list", "chat-n2"])
+def test_a_non_streamed_request_slower_than_the_stall_timeout_is_answered(path, body):
+    """The same through the real server: every step of the model takes longer than the stall timeout
+    (a busy server's queue or a long prefill), and the non-streamed answer is still a 200."""
+    config = fake_config(stream_stall_timeout_s=0.5)
+    with live_server(config, SlowFakeBackend(slots=4, step_s=1.0)) as url:
+        response = httpx.post(url + path, json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    assert len(response.json()["choices"]) == 2
