@@ -43,6 +43,8 @@ class HeaderLimitsProtocol(HttpToolsProtocol):
     body has ended (keep-alive, pipelining). The clock starts with the connection, and for a later
     request with the first bytes after the previous one; it never cuts a request whose headers are
     complete, nor a response in progress. Over ``max_header_bytes`` of headers: 431, then close.
+    A response whose writes stay blocked (the transport's buffer over its high-water mark) for
+    ``write_timeout_s`` with nothing read by the client meanwhile: the connection is reset.
     """
 
     header_timeout_s: float = 10.0  # set by header_limits_protocol()
