@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from cllm.stress import verdicts
+from cllm.stress.cpu_contention import cpu_contention_failures, run_cpu_contention
 from cllm.stress.disconnects import run_disconnects
 from cllm.stress.faults import run_decode_fault
 from cllm.stress.flood import run_flood, run_slow_readers
@@ -113,13 +114,21 @@ def _scenarios() -> dict[str, Callable[[Size], tuple[Any, list[str]]]]:
             finish_server(server)
         return r, held_connections_failures(r)
 
+    def cpu_contention(_: Size) -> tuple[Any, list[str]]:  # the default thread count beside 2 busy processes
+        server = start_server(*SERVER_ARGS, threads=None)
+        try:
+            r = run_cpu_contention(server, competitors=2)
+        finally:
+            finish_server(server)
+        return r, cpu_contention_failures(r)
+
     def faults(_: Size) -> tuple[Any, list[str]]:
         r = run_decode_fault()
         return r, verdicts.fault_failures(r)
 
     return {"load": load, "disconnects": disconnects, "fuzz": fuzz, "flood": flood,
             "slow_readers": slow_readers, "stalled": stalled, "held_connections": held_connections,
-            "faults": faults, "sigterm": _sigterm}
+            "cpu_contention": cpu_contention, "faults": faults, "sigterm": _sigterm}
 
 
 def main(argv: list[str] | None = None) -> int:
