@@ -3,6 +3,7 @@ CUDA): the same outputs as without it, one step later; stop strings are never de
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import cllm
 from cllm.outputs import RequestOutput
@@ -84,14 +85,19 @@ def test_deferred_text_still_aborts_and_streams_through_asyncllm() -> None:
             # The text of pass k's token was made while pass k + 1 ran; the last one's in the idle step after.
             assert passes == [*range(2, 13), 12]
             seen = 0
+            released = threading.Event()
+            release = backend.release
+
+            def releasing(sequence_id: str, **kwargs) -> None:
+                release(sequence_id, **kwargs)
+                if not backend.held:
+                    released.set()
+            backend.release = releasing
             async for out in engine.generate([3], cllm.SamplingParams(max_tokens=500, temperature=0)):
                 seen += len(out.outputs[0].token_ids_delta)
                 if seen >= 5:
                     break  # closing the stream aborts the request
-            for _ in range(200):
-                if not engine.engine.has_unfinished():
-                    break
-                await asyncio.sleep(0.01)
+            assert await asyncio.to_thread(released.wait, 30), "the aborted request's slot was never released"
             return text, len(backend.held)
         finally:
             await engine.shutdown()
