@@ -18,7 +18,7 @@ CAP = 4
 @pytest.mark.skipif(not hasattr(socket, "TCP_INFO"), reason="reads the connections' state through Linux's TCP_INFO")
 @pytest.mark.parametrize("engine_process", ["off", "on"])
 def test_stalled_readers_give_their_connections_back(engine_process: str) -> None:
-    server = start_null_server("stream_stall_timeout_s=2", "log_level=warning", f"max_connections={CAP}",
+    server = start_null_server("stream_stall_timeout_s=3", "log_level=warning", f"max_connections={CAP}",
                                f"engine_process={engine_process}", sndbuf=16384)
     try:
         result = asyncio.run(run_held_connections(server, cap=CAP))
