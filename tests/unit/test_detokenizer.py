@@ -182,6 +182,7 @@ class _OperationCounter:
 
     def __init__(self) -> None:
         self.count = 0
+        self._saved: tuple = (None, None)
 
     def _trace(self, frame, event, arg):
         if frame.f_code.co_filename != detokenizer.__file__:
@@ -195,13 +196,14 @@ class _OperationCounter:
             self.count += 1
 
     def __enter__(self) -> _OperationCounter:
+        self._saved = sys.gettrace(), sys.getprofile()  # (a coverage run's tracer, given back after)
         sys.settrace(self._trace)
         sys.setprofile(self._profile)
         return self
 
     def __exit__(self, *exc) -> None:
-        sys.settrace(None)
-        sys.setprofile(None)
+        sys.settrace(self._saved[0])
+        sys.setprofile(self._saved[1])
 
 
 def _operations(stops: list[str], tokens: list[int]) -> int:
