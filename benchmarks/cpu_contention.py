@@ -19,7 +19,7 @@ Systems: ``cllm-default`` (no thread flag), ``cllm-t1`` / ``cllm-t2`` (``--n-thr
 ``--baseline-src DIR`` or ``--baseline-commit REV``, ``cllm-baseline``: the default
 of another source tree (PYTHONPATH), e.g. the commit before the change, in the same run.
 
-    # the measurement (machine otherwise quiet; ~25 min on 2 cores):
+    # the measurement (machine otherwise quiet; ~30-40 min on 2 cores: 2 spinning threads beside busy processes are slow):
     .venv/bin/python benchmarks/cpu_contention.py --rounds 3 --baseline-commit e33bc7f
     # a smoke run (~3 min):
     .venv/bin/python benchmarks/cpu_contention.py --smoke
