@@ -162,8 +162,8 @@ def test_requests_on_their_way_to_the_core_count_toward_max_waiting() -> None:
             while engine._pending < 2:
                 await asyncio.sleep(0.01)
             assert engine.stats().num_waiting == 0  # the core's snapshot does not know of them yet
-            with pytest.raises(QueueFullError):
-                await _collect(engine, [400])
+            with pytest.raises(QueueFullError):  # refused at once (admitted, it would wait for the held answers)
+                await asyncio.wait_for(_collect(engine, [400]), 10)
             loop.add_reader(engine._outputs.fileno(), engine._on_readable)
             for outs in await asyncio.gather(*tasks):
                 assert outs[-1].finished
@@ -251,6 +251,11 @@ class HangingBackend(NullBackend):
         return super().forward_batch(*args, **kwargs)
 
 
+async def _drain(stream: object) -> None:
+    async for _ in stream:
+        pass
+
+
 def test_a_core_that_does_not_exit_is_killed_after_the_join_timeout() -> None:
     engine = _engine(backend=functools.partial(HangingBackend, slots=8), join_timeout_s=0.5)
 
@@ -261,8 +266,7 @@ def test_a_core_that_does_not_exit_is_killed_after_the_join_timeout() -> None:
         await engine.shutdown(grace_s=0.1)
         took = time.monotonic() - started
         with pytest.raises(EngineDeadError):
-            async for _ in stream:
-                pass
+            await asyncio.wait_for(_drain(stream), 20)
         return took
     took = asyncio.run(run())
     assert engine._process.exitcode == -signal.SIGKILL
