@@ -83,9 +83,11 @@ class ServerProcess:
 STRESS_PROMPT_CACHE_MIB = 16
 
 
-def start_server(*args: str, api_key: str | None = None, wait: bool = True, threads: int | None = 1) -> ServerProcess:
+def start_server(*args: str, api_key: str | None = None, wait: bool = True, threads: int | None = 1,
+                 new_session: bool = False) -> ServerProcess:
     """Start `python -m cllm serve` on a free port with extra CLI ``args``; ``threads=None`` leaves the
-    thread count to the server's machine-chosen default."""
+    thread count to the server's machine-chosen default; ``new_session``: the server leads a process group
+    of its own (with its engine core), which a scenario can signal as systemd or ``kill -- -PGID`` would."""
     port = free_port()
     log_fd, log_name = tempfile.mkstemp(prefix=f"cllm-serve-{port}-", suffix=".log")
     os.close(log_fd)
@@ -100,15 +102,15 @@ def start_server(*args: str, api_key: str | None = None, wait: bool = True, thre
     cmd += ["--set", f"prompt_cache_mib={STRESS_PROMPT_CACHE_MIB}", *args]
     if api_key:
         cmd += ["--api-key", api_key]
-    return launch(cmd, port, log_name, log_file, api_key=api_key, wait=wait)
+    return launch(cmd, port, log_name, log_file, api_key=api_key, wait=wait, new_session=new_session)
 
 
 def launch(cmd: list[str], port: int, log_name: str, log_file: Any, *, api_key: str | None = None,
-           wait: bool = True) -> ServerProcess:
+           wait: bool = True, new_session: bool = False) -> ServerProcess:
     """Start ``cmd`` (a server on ``port``, output to ``log_file``) without the caller's CLLM_* settings;
     with ``wait``, until its /health says ready (killed if it never does)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("CLLM_")}
-    proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env)
+    proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=new_session)
     server = ServerProcess(proc=proc, port=port, log_path=Path(log_name), api_key=api_key, _log_file=log_file)
     if wait:
         try:
