@@ -152,3 +152,37 @@ def test_the_api_side_ends_a_stream_whose_request_was_aborted_while_compiling() 
 
 async def _outputs(stream: object) -> list:
     return [out async for out in stream]
+
+
+def test_the_api_side_names_the_paying_client_to_the_core() -> None:
+    """The server charges a request's compiles to its client (ClientQuota.admit sets the payer in the
+    request's context); in process mode the core compiles, so the add names that client."""
+    from cllm.engine.core_protocol import AddRequest
+    from cllm.server.client_quota import AdmissionPolicy, ClientQuota
+    from cllm.structured.limits import charge_compiles_to
+
+    config = load_config(None, environ={}, n_seq_max=4, engine_process="on", log_level="warning")
+    engine = ProcessEngine(config, functools.partial(NullBackend, slots=4), restart=RestartPolicy(max_restarts=0))
+    sent: list[AddRequest] = []
+
+    async def run() -> None:
+        try:
+            engine.start()
+            real = engine._commands.send_encoded
+
+            def spy(data: bytes) -> None:
+                message = decode(data)
+                if isinstance(message, AddRequest):
+                    sent.append(message)
+                real(data)
+            engine._commands.send_encoded = spy
+            quota = ClientQuota(AdmissionPolicy(max_sequences_per_request=8, max_sequences_per_client=None,
+                                                allow_client_priority=False))
+            charge_compiles_to(quota.payer("10.1.2.3"))
+            await _outputs(engine.generate([300], SamplingParams(max_tokens=2)))
+            charge_compiles_to(None)  # the Python API: nobody pays
+            await _outputs(engine.generate([300], SamplingParams(max_tokens=2)))
+        finally:
+            await engine.shutdown()
+    asyncio.run(run())
+    assert [m.client for m in sent] == ["10.1.2.3", None]
