@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 
 from cllm.stress.server_process import ServerProcess
-from cllm.stress.sse import Outcome, json_outcome, stream_outcome
+from cllm.stress.sse import Outcome, stream_outcome
 
 
 def deep_schema(depth: int) -> dict:

@@ -105,10 +105,6 @@ def test_process_engine_refuses_what_the_core_would_before_registering() -> None
     asyncio.run(run())
 
 
-class _Unpicklable(str):
-    """A str of a class pickle cannot find (defined in a function's scope below)."""
-
-
 def test_a_request_that_cannot_be_pickled_is_a_400_naming_the_field_and_holds_nothing() -> None:
     engine = _engine()
 
