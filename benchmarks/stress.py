@@ -30,6 +30,9 @@ from cllm.stress.fuzz import run_fuzz
 from cllm.stress.load import run_load
 from cllm.stress.server_process import ServerProcess, finish_server, start_server
 from cllm.stress.sigterm import run_sigterm
+from cllm.stress.engine_process import (
+    core_kill_failures, group_sigterm_failures, run_core_kill, run_group_sigterm, run_unsendable, unsendable_failures,
+)
 from cllm.stress.held_connections import held_connections_failures, run_held_connections
 from cllm.stress.stalled import run_stalled_readers, start_null_server
 
@@ -69,6 +72,29 @@ def _sigterm(_: Size) -> tuple[Any, list[str]]:
         server.stop()
         server._log_file.close()  # type: ignore[attr-defined]
     return result, verdicts.sigterm_failures(result)
+
+
+PROCESS_MODE = ("--set", "engine_process=on")  # the engine core in its own process (issue 46 §1)
+
+
+def _unsendable(_: Size) -> tuple[Any, list[str]]:  # schemas nested 300 deep, 3x max_waiting of them
+    r = _with_server((*PROCESS_MODE, "--max-waiting", "8"), lambda server: asyncio.run(run_unsendable(server, count=24)))
+    return r, unsendable_failures(r)
+
+
+def _group_sigterm(_: Size) -> tuple[Any, list[str]]:  # SIGTERM to the process group: every stream completes
+    server = start_server(*SERVER_ARGS, *PROCESS_MODE, "--set", "shutdown_grace_s=120", new_session=True)
+    try:
+        r = asyncio.run(run_group_sigterm(server, streams=8, max_tokens=150))
+    finally:
+        server.stop()
+        server._log_file.close()  # type: ignore[attr-defined]
+    return r, group_sigterm_failures(r)
+
+
+def _core_kill(_: Size) -> tuple[Any, list[str]]:  # the core SIGKILLed mid-stream: restarted, serving again
+    r = _with_server(PROCESS_MODE, lambda server: asyncio.run(run_core_kill(server, streams=4)))
+    return r, core_kill_failures(r)
 
 
 def _scenarios() -> dict[str, Callable[[Size], tuple[Any, list[str]]]]:
@@ -128,7 +154,8 @@ def _scenarios() -> dict[str, Callable[[Size], tuple[Any, list[str]]]]:
 
     return {"load": load, "disconnects": disconnects, "fuzz": fuzz, "flood": flood,
             "slow_readers": slow_readers, "stalled": stalled, "held_connections": held_connections,
-            "cpu_contention": cpu_contention, "faults": faults, "sigterm": _sigterm}
+            "cpu_contention": cpu_contention, "faults": faults, "sigterm": _sigterm, "unsendable": _unsendable,
+            "group_sigterm": _group_sigterm, "core_kill": _core_kill}
 
 
 def main(argv: list[str] | None = None) -> int:
