@@ -1,6 +1,7 @@
 """What the engine hands back: plain dataclasses, one per concept."""
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from cllm.tools.spec import ToolCall
@@ -111,6 +112,13 @@ class EmbeddingOutput:
 
     embedding: list[float]  # the pooled final hidden state, L2-normalised (unit length, as OpenAI's)
     prompt_token_ids: list[int]  # the input's tokens (usage counts them)
+
+
+def aborted_before_start(request_id: str, prompt: str | None, prompt_ids: list[int], n: int) -> RequestOutput:
+    """The final output of a request aborted before it reached the engine (its grammar compiling)."""
+    now = time.monotonic()
+    return RequestOutput(request_id, prompt, prompt_ids, [CompletionOutput(i, "", [], "abort") for i in range(n)], True,
+                         Usage(len(prompt_ids), 0, 0), RequestMetrics(now, finished_time=now))
 
 
 def merge_outputs(earlier: RequestOutput, later: RequestOutput) -> RequestOutput:

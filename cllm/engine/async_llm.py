@@ -37,7 +37,7 @@ from cllm.errors import EngineDeadError, QueueFullError, RequestHandedOffError
 from cllm.gc_freeze import freeze_live_objects
 from cllm.handoff.snapshot import RequestSnapshot
 from cllm.model_path import resolve_model_path
-from cllm.outputs import EmbeddingOutput, RequestOutput, merge_outputs
+from cllm.outputs import EmbeddingOutput, RequestOutput, aborted_before_start, merge_outputs
 from cllm.sampling.params import SamplingParams
 
 log = logging.getLogger("cllm.engine")
@@ -166,6 +166,7 @@ class AsyncLLM:
         self._wake = threading.Event()
         self._state_lock = threading.Lock()
         self._streams: dict[str, _Stream] = {}
+        self._compiling: dict[str, bool] = {}  # requests whose grammar compiles before they are added: aborted?
         self._pending = 0
         self._num_arriving = 0  # requests between admission checks and the inbox (see _arriving)
         # When requests finished whose clients have not sent another since (oldest first; see BURST_*).
@@ -470,6 +471,7 @@ class AsyncLLM:
         while self._switching:  # a backend switch is draining; this request goes to the new engine
             await asyncio.sleep(0.01)
         rid = self._admit_checks(prompt, params, request_id)
+        aborted: RequestOutput | None = None
         with self._arriving():
             ids = await prompt_token_ids(self.engine.tokenize_prompt, prompt)
             self.engine.resolve_max_tokens(len(ids), params)
@@ -477,12 +479,17 @@ class AsyncLLM:
             if params.constraint_key is not None:
                 # A cold grammar compile takes milliseconds to seconds: off the event loop and the engine
                 # loop, so the engine only ever meets cached grammars.
-                await asyncio.to_thread(self.engine.structured.compile, params)
-            stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
-            self._streams[rid] = stream
-            self._pending += params.n
-            self.start()
-            self._submit(lambda: self._add(rid, prompt, params, priority, timeout_s, ids, on_queued))
+                if await self._compile(rid, params):
+                    aborted = aborted_before_start(rid, prompt if isinstance(prompt, str) else None, ids, params.n)
+            if aborted is None:
+                stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+                self._streams[rid] = stream
+                self._pending += params.n
+                self.start()
+                self._submit(lambda: self._add(rid, prompt, params, priority, timeout_s, ids, on_queued))
+        if aborted is not None:  # abort() came while its grammar compiled: it ends as an aborted request does
+            yield aborted
+            return
         async with contextlib.aclosing(self._consume(rid, stream)) as outputs:  # closing us aborts at once
             async for out in outputs:
                 yield out
@@ -557,7 +564,7 @@ class AsyncLLM:
         if not self._accepting:
             raise EngineDeadError("server is shutting down")
         rid = request_id or f"req-{uuid.uuid4().hex[:16]}"
-        if rid in self._streams:
+        if rid in self._streams or rid in self._compiling:
             raise ValueError(f"request_id {rid!r} is already in use")
         limit = self.config.scheduler.max_waiting
         if self.engine.scheduler.num_waiting + self._pending + params.n > limit:
@@ -648,7 +655,18 @@ class AsyncLLM:
         return await future
 
     async def abort(self, request_id: str) -> None:
+        if request_id in self._compiling:  # not in the engine yet: generate ends it once the compile returns
+            self._compiling[request_id] = True
         self._submit(lambda: self._abort_now(request_id))
+
+    async def _compile(self, rid: str, params: SamplingParams) -> bool:
+        """Compile a request's grammar in a thread; True if the request was aborted meanwhile."""
+        self._compiling[rid] = False
+        try:
+            await asyncio.to_thread(self.engine.structured.compile, params)
+        finally:
+            aborted = self._compiling.pop(rid)
+        return aborted
 
     async def shutdown(self, grace_s: float = 0.0) -> None:
         """Stop admitting; let in-flight requests finish for up to ``grace_s``; abort the rest; free everything."""

@@ -52,7 +52,7 @@ from cllm.engine.engine_core import CoreSpec, Sender, run_engine_core
 from cllm.engine.llm_engine import LLMEngine, Prompt
 from cllm.engine.stats import EngineStats, RunningRequestInfo
 from cllm.errors import EngineDeadError, QueueFullError
-from cllm.outputs import CompletionOutput, EmbeddingOutput, RequestMetrics, RequestOutput, Usage
+from cllm.outputs import EmbeddingOutput, RequestOutput, aborted_before_start
 from cllm.sampling.params import SamplingParams
 from cllm.server.client_quota import payer_client
 from cllm.structured.limits import current_payer
@@ -158,6 +158,11 @@ class ProcessEngine:
     def restarting(self) -> bool:
         """A new core is being started after one died."""
         return self._restart_task is not None and not self._restart_task.done()
+
+    @property
+    def failure(self) -> str | None:
+        """Why no request can run now (the core died, maybe restarting), or None."""
+        return None if self._dead is None else str(self._dead)
 
     def stats(self) -> EngineStats:
         """The engine's stats as of the latest snapshot the core sent (at most PUBLISH_EVERY_S old while busy)."""
@@ -321,7 +326,9 @@ class ProcessEngine:
         if message.error is not None:
             stream.queue.put_nowait(message.error)
         elif message.aborted:  # aborted while its grammar compiled: it ends as an aborted request does
-            stream.queue.put_nowait(_aborted_output(message.request_id, message.num_sequences, stream))
+            prompt = stream.prompt if isinstance(stream.prompt, str) else None
+            stream.queue.put_nowait(aborted_before_start(message.request_id, prompt, stream.prompt_ids,
+                                                         message.num_sequences))
         elif stream.on_queued is not None:
             stream.on_queued()
 
@@ -498,14 +505,6 @@ def _unpicklable(message: AddRequest, name: str) -> bool:
     except Exception:
         return True
     return False
-
-
-def _aborted_output(request_id: str, n: int, stream: _Stream) -> RequestOutput:
-    """The final output of a request aborted before it reached the engine (its grammar compiling)."""
-    choices = [CompletionOutput(i, "", [], "abort") for i in range(n)]
-    now = time.monotonic()
-    return RequestOutput(request_id, stream.prompt if isinstance(stream.prompt, str) else None, stream.prompt_ids,
-                         choices, True, Usage(len(stream.prompt_ids), 0, 0), RequestMetrics(now, finished_time=now))
 
 
 def _idle_snapshot(snapshot: Snapshot) -> Snapshot:

@@ -186,3 +186,35 @@ def test_the_api_side_names_the_paying_client_to_the_core() -> None:
             await engine.shutdown()
     asyncio.run(run())
     assert [m.client for m in sent] == ["10.1.2.3", None]
+
+
+def test_in_process_an_abort_while_compiling_ends_the_request_before_it_runs() -> None:
+    """In-process the request is not in the engine while its grammar compiles: an abort then was lost and
+    the request ran to max_tokens once the compile returned."""
+    from cllm.engine.async_llm import AsyncLLM
+    from tests.unit.fakes import FakeBackend, fake_config
+
+    llm = AsyncLLM(backend=FakeBackend(slots=2), config=fake_config())
+    compile_started, release = threading.Event(), threading.Event()
+    real_compile = llm.engine.structured.compile
+
+    def held_compile(params: SamplingParams) -> None:
+        compile_started.set()
+        release.wait(10)
+        real_compile(params)
+    llm.engine.structured.compile = held_compile
+
+    async def run() -> None:
+        try:
+            params = SamplingParams(max_tokens=50, n=2, temperature=0, choice=["abc", "abd"])
+            task = asyncio.ensure_future(_outputs(llm.generate("a", params, request_id="r")))
+            await asyncio.to_thread(compile_started.wait, 10)
+            await llm.abort("r")
+            release.set()
+            outs = await asyncio.wait_for(task, 10)
+            assert outs[-1].finished and [c.finish_reason for c in outs[-1].outputs] == ["abort", "abort"]
+            assert [c.token_ids for c in outs[-1].outputs] == [[], []]
+            assert not llm.engine.has_unfinished() and llm._pending == 0 and not llm._compiling
+        finally:
+            await llm.shutdown()
+    asyncio.run(run())
