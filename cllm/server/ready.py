@@ -34,6 +34,8 @@ def device_text(engine: Any, config: CllmConfig) -> str:
         threads = getattr(backend, "_n_threads", None)
         where = "GPU (layers offloaded)" if layers else "CPU"
         text = f"llama_cpp on {where}" + (f", {threads} thread{'s' if threads != 1 else ''}" if threads else "")
+        if getattr(backend, "thread_governor", None) is not None:
+            text += " (fewer while other processes keep the CPU busy)"
         weights, model = getattr(backend, "weights_path", None), getattr(backend, "model_path", None)
         if weights is not None and model is not None and weights != model:
             text += f", weights as a converted copy ({weights.name.split('.')[-3]})"

@@ -68,8 +68,16 @@ async def engine_state(request: Request) -> dict[str, Any]:
     weights = getattr(backend, "weights_path", None)
     verdict = getattr(backend, "flash_attn_verdict", None)  # what llama.cpp was given, why, and the probe's times
     return {"model": model.name, "weights": weights and str(weights), "flash_attn": getattr(backend, "flash_attn", None),
-            "flash_attn_verdict": verdict and _as_dict(verdict),
+            "flash_attn_verdict": verdict and _as_dict(verdict), "engine_core": _core_state(model.engine),
             "phase": state.phase.value, "stats": stats_dict, "running": running}
+
+
+def _core_state(engine: Any) -> dict[str, Any] | None:
+    """The engine core in its own process: restarts by the supervisor so far, and whether one is under way
+    (None in-process)."""
+    if not hasattr(engine, "num_restarts"):
+        return None
+    return {"restarts": engine.num_restarts, "restarting": engine.restarting, "failure": engine.failure}
 
 
 async def health(request: Request) -> JSONResponse:
@@ -77,8 +85,13 @@ async def health(request: Request) -> JSONResponse:
     if state.phase is Phase.READY:
         if state.loaded is not None and state.loaded.engine.is_running:
             return JSONResponse({"status": "ok"})
-        # Loaded once, but the engine loop has died: every request would get 503, so say so here.
-        return JSONResponse({"status": "engine_dead"}, status_code=503)
+        # Loaded once, but the engine has died (or its core is being restarted): every request would get
+        # 503, so say so here, with the reason.
+        engine = state.loaded.engine if state.loaded is not None else None
+        dead = {"status": "engine_restarting" if getattr(engine, "restarting", False) else "engine_dead"}
+        if getattr(engine, "failure", None):
+            dead["error"] = engine.failure
+        return JSONResponse(dead, status_code=503)
     body: dict[str, Any] = {"status": state.phase.value}
     if state.load_error:
         body["error"] = state.load_error

@@ -135,9 +135,11 @@ class CoreKillResult:
     outcomes: list[Outcome | str]  # the streams running at the kill
     running_after_kill: int  # /v1/engine num_running once the streams had ended
     health_during: int  # /health right after the kill
+    health_body: dict  # what it said (status engine_restarting / engine_dead, and the reason)
     back_after_s: float | None  # seconds until /health said ok again (None: never within the wait)
     after_status: int  # a normal request once it was back
     new_core: bool  # the core's pid changed
+    restarts: int | None  # /v1/engine engine_core.restarts once it was back
 
 
 async def run_core_kill(server: ServerProcess, *, streams: int, wait_s: float = 120.0) -> CoreKillResult:
@@ -149,7 +151,7 @@ async def run_core_kill(server: ServerProcess, *, streams: int, wait_s: float = 
         os.kill(first_pid, signal.SIGKILL)
         outcomes = list(await asyncio.gather(*tasks))
         running = (await client.get("/v1/engine")).json()["stats"]["num_running"]
-        during = (await client.get("/health")).status_code
+        health = await client.get("/health")
         killed_at = time.monotonic()
         back = None
         while time.monotonic() - killed_at < wait_s:
@@ -158,7 +160,9 @@ async def run_core_kill(server: ServerProcess, *, streams: int, wait_s: float = 
                 break
             await asyncio.sleep(0.2)
         after = await client.post("/v1/completions", json={"prompt": "hello", "max_tokens": 4})
-    return CoreKillResult(outcomes, running, during, back, after.status_code, core_pid(server) != first_pid)
+        core = (await client.get("/v1/engine")).json().get("engine_core") or {}
+    return CoreKillResult(outcomes, running, health.status_code, health.json(), back, after.status_code,
+                          core_pid(server) != first_pid, core.get("restarts"))
 
 
 def core_kill_failures(r: CoreKillResult) -> list[str]:
@@ -168,6 +172,10 @@ def core_kill_failures(r: CoreKillResult) -> list[str]:
         failures.append(f"/v1/engine still showed {r.running_after_kill} running requests of the dead core")
     if r.health_during != 503:
         failures.append(f"/health answered {r.health_during} while the core was dead or restarting")
+    elif r.health_body.get("status") != "engine_restarting" or "SIGKILL" not in r.health_body.get("error", ""):
+        failures.append(f"/health did not say the core is restarting and why: {r.health_body}")
+    if r.restarts != 1:
+        failures.append(f"/v1/engine engine_core.restarts is {r.restarts}, not 1")
     if r.back_after_s is None or not r.new_core:
         failures.append("the core was not restarted")
     if r.after_status != 200:
