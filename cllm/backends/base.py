@@ -110,6 +110,10 @@ class Backend(ABC):
     # True when forward_batch returns before the device has finished (logits still being computed, e.g.
     # CUDA): the engine then does the previous step's host-side text work in that time (LLMEngine.step).
     overlaps_host_work: bool = False
+    # True when steps run on a GPU: a prompt's prefill there costs little beside a decode step, and the
+    # scheduler's auto stall bound (max_decode_stall_ms: auto) is off (it cost 5-10 % of the server's
+    # throughput on an H200 with no steady latency gain; docs/gpu.md).
+    on_gpu: bool = False
 
     @property
     @abstractmethod

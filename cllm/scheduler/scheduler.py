@@ -64,7 +64,8 @@ class Scheduler:
         stall = config.max_decode_stall_ms
         self.stall_s = stall / 1000 if isinstance(stall, (int, float)) else None
         # auto: the bound is stall_factor x the measured time of a pure decode step of as many sequences
-        self.stall_factor = config.decode_stall_factor if stall == "auto" else None
+        # (on a CPU; on a GPU auto is no bound: Backend.on_gpu)
+        self.stall_factor = config.decode_stall_factor if stall == "auto" and not backend.on_gpu else None
         self.seconds_per_token: float | None = None
         self.decode_seconds: dict[int, float] = {}  # batch-size class (bit length) -> pure decode step, moving average
         self._decode_probed: set[int] = set()  # classes a step was kept prompt-free for, to time a pure decode

@@ -300,6 +300,20 @@ def test_prefill_beside_decodes_is_cut_to_the_stall_bound_at_the_measured_cost()
     assert run_all(engine)["late"].outputs[0].token_ids == [20, 21, 22, 23, 24]  # the fake echoes last + 1
 
 
+def test_auto_stall_bound_is_off_on_a_gpu_backend():
+    """On a GPU a prompt's prefill is cheap beside a decode step: auto cuts nothing there (docs/gpu.md)."""
+    gpu = FakeBackend(max_batch_tokens=2048)
+    gpu.on_gpu = True
+    engine, _ = make_engine(gpu)
+    sched = engine.scheduler
+    assert sched.stall_factor is None and sched.stall_s is None
+    sched.observe_step(4, 0.200, num_sequences=4)
+    sched.seconds_per_token = 0.010
+    assert sched.stall_bound(4) is None and sched._prefill_while_decoding(4) == sched.prefill_chunk
+    engine, _ = make_engine(gpu, max_decode_stall_ms=300)  # a number is a number everywhere
+    assert engine.scheduler.stall_s == pytest.approx(0.3)
+
+
 def test_observe_step_averages_the_cost_per_token():
     engine, _ = make_engine(FakeBackend(max_batch_tokens=64), max_decode_stall_ms="off")
     sched = engine.scheduler

@@ -82,6 +82,7 @@ class LlamaCppBackend(Backend):
         if path.is_dir() or path.suffix.lower() != ".gguf":
             raise ValueError(not_gguf_message(path))
         self.n_gpu_layers = resolve_gpu_layers(lc.n_gpu_layers)
+        self.on_gpu = bool(self.n_gpu_layers)
         self._n_threads = m.n_threads or default_n_threads()  # shared by the embeddings context
         # model_path names the model; weights_path is what llama.cpp runs (a converted copy: weights.py)
         self.model_path = path

@@ -118,7 +118,7 @@ class TorchBackend(Backend):
             max_num_seqs=max_seqs, max_batch_tokens=max_tokens, max_model_len=max_len, kv_tokens=num_blocks * block_size,
         )
         # CUDA runs a forward asynchronously: the engine does the previous step's text work meanwhile.
-        self.overlaps_host_work = self.device.type == "cuda"
+        self.overlaps_host_work = self.on_gpu = self.device.type == "cuda"
         # Attention of steps that replay no graph: the chosen mode, or SDPA once FlexAttention failed to compile.
         self._eager_attention = self._attention
         self._graphs = self._decode_graphs(config, max_seqs)
