@@ -51,6 +51,7 @@ from pathlib import Path
 import httpx
 
 from cllm.bench.server_process import BenchServer, free_port
+from cllm.stress.cpu_contention import busy_processes
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "benchmarks"))
@@ -139,20 +140,6 @@ def export_commit(rev: str, into: Path) -> Path:
     return into
 
 
-@contextmanager
-def busy_processes(n: int) -> Iterator[None]:
-    """``n`` processes that each keep one CPU busy, killed (by pid) on exit."""
-    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
-    try:
-        time.sleep(0.5 if n else 0)  # let the scheduler see them running
-        yield
-    finally:
-        for proc in procs:
-            proc.kill()
-        for proc in procs:
-            proc.wait()
-
-
 async def _one(client: httpx.AsyncClient, model: str, max_tokens: int) -> tuple[float, int]:
     body = {"model": model, "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
     start = time.perf_counter()
@@ -193,7 +180,7 @@ def run_system(system: str, round_no: int, args: argparse.Namespace, binary: Pat
     samples = []
     try:
         for condition in args.conditions:
-            with busy_processes(CONDITIONS[condition]):
+            with busy_processes(CONDITIONS[condition], settle_s=0.5):
                 sequential, concurrent, tokens = asyncio.run(run_workload(server.url, args.workload))
                 threads, lowered = engine_threads(server.url) if system.startswith("cllm") else (None, None)
             s = Sample(system, condition, round_no, round(sum(sequential) + concurrent, 3),

@@ -30,10 +30,12 @@ class ContentionResult:
 
 
 @contextmanager
-def busy_processes(n: int) -> Iterator[None]:
-    """``n`` processes that each keep a CPU busy, killed (by pid) on exit."""
+def busy_processes(n: int, settle_s: float = 0.0) -> Iterator[None]:
+    """``n`` processes that each keep a CPU busy (``settle_s`` given to the OS to see them running),
+    killed (by pid) on exit."""
     procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
     try:
+        time.sleep(settle_s if n else 0)
         yield
     finally:
         for proc in procs:
