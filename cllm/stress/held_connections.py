@@ -33,7 +33,8 @@ class HeldConnectionsResult:
     stalled: int  # stalled readers opened (cap - 1: one more connection reaches the cap)
     refused_while_stalled: int | None  # status of one more request while they stalled (503 expected)
     reset_after_s: float | None  # seconds from their opening until the server had reset all of them (None: never)
-    statuses_after: list[int]  # statuses of ``cap - 1`` requests at once after the reset
+    statuses_after: list[int]  # statuses of the last ``cap - 1`` requests sent at once after the reset
+    freed_after_s: float | None  # seconds from the reset until ``cap - 1`` requests at once all got 200 (None: never)
     idle_after_s: float | None  # seconds until the engine was idle after the reset (None: never)
 
 
@@ -58,9 +59,10 @@ def _open_stalled(port: int, body: bytes) -> socket.socket:
 
 
 async def run_held_connections(server: ServerProcess, *, cap: int, max_tokens: int = 20000,
-                               timeout_s: float = 60.0) -> HeldConnectionsResult:
+                               timeout_s: float = 60.0, free_within_s: float = 5.0) -> HeldConnectionsResult:
     """Open ``cap - 1`` stalled readers on a server started with ``max_connections=cap``, probe the cap,
-    wait for the server to reset them, then send ``cap - 1`` requests at once."""
+    wait for the server to reset them, then send ``cap - 1`` requests at once until all are served
+    (at most ``free_within_s`` after the reset)."""
     body = json.dumps({"prompt": "hello", "max_tokens": max_tokens, "stream": True, "ignore_eos": True,
                        "temperature": 0}).encode()
     started = time.monotonic()
@@ -78,14 +80,28 @@ async def run_held_connections(server: ServerProcess, *, cap: int, max_tokens: i
                 reset_after = time.monotonic() - started
                 break
             await asyncio.sleep(0.05)
+        # The client sees its reset before the server's loop has run the reset connection's ending: its
+        # task (the place under the cap) ends an instant later. What must hold is that the places come
+        # back promptly, so the batch is retried until all of it is served or ``free_within_s`` passed.
+        reset_at = time.monotonic()
+        freed = None
         async with server.async_http(timeout=60, max_connections=cap - 1) as client:
-            replies = await asyncio.gather(
-                *(client.post("/v1/completions", json={"prompt": "hello", "max_tokens": 8}) for _ in range(cap - 1)))
+            while True:
+                replies = await asyncio.gather(
+                    *(client.post("/v1/completions", json={"prompt": "hello", "max_tokens": 8})
+                      for _ in range(cap - 1)))
+                statuses = [r.status_code for r in replies]
+                if all(status == 200 for status in statuses):
+                    freed = time.monotonic() - reset_at
+                    break
+                if time.monotonic() - reset_at > free_within_s:
+                    break
+                await asyncio.sleep(0.05)
             try:
                 idle = await wait_idle(client, timeout_s)
             except ValueError:  # not JSON: /v1/engine refused too (503) while the connections were held
                 idle = None
-        return HeldConnectionsResult(cap, len(stalled), refused, reset_after, [r.status_code for r in replies], idle)
+        return HeldConnectionsResult(cap, len(stalled), refused, reset_after, statuses, freed, idle)
     finally:
         for sock in stalled:
             sock.close()
@@ -98,8 +114,9 @@ def held_connections_failures(r: HeldConnectionsResult) -> list[str]:
                         "they did not hold their connections (the scenario tests nothing)")
     if r.reset_after_s is None:
         failures.append("the server kept the stalled readers' connections open")
-    if any(status != 200 for status in r.statuses_after):
-        failures.append(f"requests within the cap after the stall got {r.statuses_after}, not all 200")
+    if r.freed_after_s is None:
+        failures.append(f"requests within the cap after the stall got {r.statuses_after}, not all 200, "
+                        "for as long as the scenario waited: the reset connections kept their places")
     if r.idle_after_s is None:
         failures.append("the stalled requests never ended (slots still held)")
     return failures
