@@ -83,8 +83,13 @@ class StopPrefixMatcher:
 class IncrementalDetokenizer:
     """Per-sequence text state: full text, what has been emitted, stop-string matching."""
 
-    def __init__(self, tokenizer: Tokenizer, *, stop: Sequence[str] = (), include_stop: bool = False) -> None:
+    def __init__(self, tokenizer: Tokenizer, *, stop: Sequence[str] = (), include_stop: bool = False,
+                 skip_special_tokens: bool = True, end_ids: frozenset[int] = frozenset()) -> None:
+        """``skip_special_tokens=False``: a control token (no bytes of its own) shows as its special-token
+        text ("<|channel|>"), except the ``end_ids`` that end the output (EOS, stop token ids)."""
         self._tokenizer = tokenizer
+        self._show_special = not skip_special_tokens
+        self._end_ids = end_ids
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._buffered = False  # the decoder holds the first bytes of an incomplete character
         self._stop = [s for s in stop if s]
@@ -115,6 +120,8 @@ class IncrementalDetokenizer:
             return self.stopped_on
         before = len(self._tail)
         data = self._tokenizer.token_bytes(token_id)
+        if not data and self._show_special and token_id not in self._end_ids:
+            data = self._tokenizer.special_token(token_id).encode()
         if self._buffered:
             new = self._decode(data)
         else:

@@ -21,7 +21,8 @@ class RequestGroup:
         self.children = children
         self._tokenizer = tokenizer
         self._detoks = [
-            IncrementalDetokenizer(tokenizer, stop=c.params.stop, include_stop=c.params.include_stop_str_in_output)
+            IncrementalDetokenizer(tokenizer, stop=c.params.stop, include_stop=c.params.include_stop_str_in_output,
+                                   skip_special_tokens=c.params.skip_special_tokens, end_ids=_end_ids(c))
             for c in children
         ]
         self._sent_tokens = [0] * len(children)
@@ -103,3 +104,9 @@ class RequestGroup:
         return CompletionOutput(i, detok.text if done else "", list(tokens) if group_finished else [],
                                 status.finish_reason if done else None, child.stop_reason,
                                 list(logprobs) if group_finished else None, detok.take_delta(), new_tokens, new_logprobs)
+
+
+def _end_ids(child: Request) -> frozenset[int]:
+    """The tokens that end the child's output (shown by no skip_special_tokens setting)."""
+    params = child.params
+    return frozenset(params.stop_token_ids) if params.ignore_eos else child.stop_ids

@@ -39,6 +39,10 @@ class SamplingParams:
     choice: list[str] | None = None  # the output is exactly one of these strings
     prompt_logprobs: int | None = None  # None = off; k >= 0 returns each prompt token's logprob (first: None) and k top alternatives
     speculative: bool = True  # False: never given draft tokens (speculative decoding off for this request)
+    # False: control tokens the model writes ("<|channel|>") stay in the text as their special-token text
+    # (vLLM's name); tokens that end the output (EOS unless ignore_eos, stop_token_ids) never do. Chat
+    # replies in gpt-oss's harmony format need their markers to be read (cllm.tools.harmony).
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -74,6 +78,7 @@ class SamplingParams:
         _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= 20), "logprobs", self.logprobs, "an integer in [0, 20] or None")
         _check(self.prompt_logprobs is None or (_is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= 20), "prompt_logprobs", self.prompt_logprobs, "an integer in [0, 20] or None")
         _check(isinstance(self.speculative, bool), "speculative", self.speculative, "true or false")
+        _check(isinstance(self.skip_special_tokens, bool), "skip_special_tokens", self.skip_special_tokens, "true or false")
         _check(all(k >= 0 and _finite(v) and -100 <= v <= 100 for k, v in self.logit_bias.items()), "logit_bias", self.logit_bias, "token ids >= 0 mapped to numbers in [-100, 100]")
         self._validate_constraint()
 

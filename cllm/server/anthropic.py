@@ -24,7 +24,7 @@ from cllm.server.anthropic_protocol import CountTokensRequest, MessagesRequest
 from cllm.server.chat import ChatJob, plan_request, prepare_chat, render_chat, run_chat
 from cllm.server.errors import APIError
 from cllm.server.protocol import ChatCompletionRequest
-from cllm.server.reply import NORMAL_FINISH, Reply, ReplyStream, read_reply
+from cllm.server.reply import NORMAL_FINISH, ReplyStream, read_reply, read_unfinished
 from cllm.server.responses import JSONBody
 from cllm.server.serving import SSEFraming
 from cllm.server.state import get_state
@@ -95,7 +95,8 @@ class MessageContext:
 def build_message(ctx: MessageContext, final: RequestOutput) -> JSONBody:
     """The non-streamed Message."""
     o = final.outputs[0]
-    reply = read_reply(o.text, ctx.job.reply) if o.finish_reason in NORMAL_FINISH else Reply(None, o.text, [])
+    fmt = ctx.job.reply
+    reply = read_reply(o.text, fmt) if o.finish_reason in NORMAL_FINISH else read_unfinished(o.text, fmt)
     blocks: list[dict[str, Any]] = []
     if reply.reasoning and ctx.show_thinking:
         blocks.append({"type": "thinking", "thinking": reply.reasoning, "signature": ""})

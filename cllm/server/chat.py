@@ -45,8 +45,8 @@ from cllm.server.protocol import (
     ToolCallModel,
     UsageInfo,
 )
-from cllm.server.reasoning import resolve_format
-from cllm.server.reply import NORMAL_FINISH, ReplyFormat, ReplyStream, read_reply
+from cllm.server.reasoning import HARMONY, parser_for_template, resolve_format
+from cllm.server.reply import NORMAL_FINISH, ReplyFormat, ReplyStream, read_reply, read_unfinished
 from cllm.server.sampling import build_sampling_params
 from cllm.server.serving import ResponseMeta, SSEFraming, StreamFormatter, respond, total_usage
 from cllm.server.state import LoadedModel, get_state
@@ -150,9 +150,10 @@ async def _prepare_chat(body: ChatCompletionRequest, request: Request, id_prefix
         max_tokens = default_max_tokens(
             model.engine.tokenizer, prompt, max_model_len=model.max_model_len, limit=model.limits.max_tokens_limit
         )
-    params = build_sampling_params(body, max_tokens=max_tokens, logprobs=_logprobs_setting(body), limits=model.limits,
-                                   constraint=constraint)
     reply = _reply_format(model.engine, prompt, plan, settings, constrained=bool(constraint or body.constraint()))
+    # A harmony reply's markers are control tokens: kept in its text, for ReplyStream to read the channels.
+    params = build_sampling_params(body, max_tokens=max_tokens, logprobs=_logprobs_setting(body), limits=model.limits,
+                                   constraint=constraint, skip_special_tokens=not reply.harmony)
     meta = ResponseMeta(id=f"{id_prefix}{uuid.uuid4().hex}", created=int(time.time()), model=model.name,
                         system_fingerprint=fingerprint_of(request))
     return ChatJob(model, prompt, params, reply, meta)
@@ -161,12 +162,22 @@ async def _prepare_chat(body: ChatCompletionRequest, request: Request, id_prefix
 def _reply_format(engine: Any, prompt: list[int], plan: ToolPlan | None, settings: StructuredConfig, *,
                   constrained: bool) -> ReplyFormat:
     """Tools and reasoning markers for reading the reply. A constrained reply (JSON schema, grammar, a
-    forced call) has no reasoning block: the constraint holds from the first token."""
-    fmt = None if constrained else resolve_format(settings.reasoning_parser, engine.tokenizer.chat_template)
+    forced call) has no reasoning block: the constraint holds from the first token. Harmony channels
+    (gpt-oss) are read whether constrained or not: they are the reply's format, not a block, and a
+    constrained reply without their markers reads as all content, as before."""
+    tokenizer = engine.tokenizer
+    detected = parser_for_template(tokenizer.chat_template, lambda: tokenizer.control_tokens)
+    setting = settings.reasoning_parser
+    fmt = resolve_format(detected if setting == "auto" else setting, None)
+    # A harmony model's replies are read as channels whatever reasoning_parser says (none: analysis is content).
+    harmony = (detected == HARMONY or (fmt is not None and fmt.harmony)
+               or (plan is not None and plan.parser.name == HARMONY))
+    if constrained and not harmony:
+        fmt = None
     opened = False
     if fmt is not None:
-        opened = fmt.opened_by(engine.tokenizer.decode(prompt[-_PROMPT_TAIL_TOKENS:]))
-    return ReplyFormat(plan if plan is not None and plan.active else None, fmt, opened)
+        opened = fmt.opened_by(tokenizer.decode(prompt[-_PROMPT_TAIL_TOKENS:]))
+    return ReplyFormat(plan if plan is not None and plan.active else None, fmt, opened, harmony)
 
 
 async def run_chat(request: Request, job: ChatJob, *, wants_stream: bool, include_usage: bool,
@@ -205,7 +216,7 @@ class ChatFormatter:
         self._chunk_type = ChatChunkWithUsage if include_usage else ChatCompletionChunk
         self._reply = reply or ReplyFormat()
         self._replies: dict[int, ReplyStream] = {}  # choice index -> its reply so far
-        self._plain = self._reply.plan is None and self._reply.reasoning is None  # content passes through as is
+        self._plain = self._reply.plain  # content passes through as is
 
     def prelude(self) -> Iterable[bytes]:
         for index in range(self._n):
@@ -277,12 +288,13 @@ def build_chat(meta: ResponseMeta, final: RequestOutput, logprobs: bool, reply: 
     choices = []
     for o in final.outputs:
         finish = o.finish_reason
-        message = ChatResponseMessage(content=o.text)
         if finish in NORMAL_FINISH:
             _check_forced_call(fmt, o.text, finish)
             parsed = read_reply(o.text, fmt)
-            message = _message(parsed.content, parsed.tool_calls, parsed.reasoning)
             finish = "tool_calls" if parsed.tool_calls else finish
+        else:
+            parsed = read_unfinished(o.text, fmt)
+        message = _message(parsed.content, parsed.tool_calls, parsed.reasoning)
         choices.append(ChatChoice(index=o.index, message=message,
                                   logprobs=chat_logprobs(o.logprobs or []) if logprobs else None, finish_reason=finish))
     return ChatCompletionResponse(

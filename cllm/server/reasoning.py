@@ -15,11 +15,17 @@ Rules (the same streamed and not):
 - While streaming, text that may be the start of a marker is held back, so a partial marker never
   reaches ``content`` or ``reasoning_content``.
 
-gpt-oss's Harmony channels are not split: their markers are control tokens, which decoding drops.
+gpt-oss (``harmony``) writes no block but channels: ``<|channel|>analysis<|message|>…<|end|>`` is its
+reasoning, ``<|channel|>final<|message|>…`` its answer, ``<|channel|>commentary to=functions.NAME …``
+a tool call. Those replies are read by cllm.tools.harmony, not by the splitter here; the server
+keeps the markers (control tokens, which decoding drops otherwise) in their text for that.
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
+
+from cllm.tools.harmony import CHANNEL, END, MESSAGE, is_harmony
 
 # Parser names (vLLM's where it has one) -> (start marker, end marker).
 MARKERS: dict[str, tuple[str, str]] = {
@@ -30,16 +36,23 @@ MARKERS: dict[str, tuple[str, str]] = {
     "seed_oss": ("<seed:think>", "</seed:think>"),
     "kimi": ("◁think▷", "◁/think▷"),
 }
-PARSER_NAMES = ("auto", "none", *MARKERS)
+HARMONY = "harmony"  # gpt-oss's channels (cllm.tools.harmony); the markers say where analysis starts and ends
+HARMONY_MARKERS = (f"{CHANNEL}analysis{MESSAGE}", END)
+PARSER_NAMES = ("auto", "none", *MARKERS, HARMONY)
 
 
 @dataclass(slots=True, frozen=True)
 class ReasoningFormat:
     """How one model marks its reasoning."""
 
-    name: str  # parser name (a MARKERS key)
+    name: str  # parser name (a MARKERS key, or HARMONY)
     start: str  # opens the block
     end: str  # closes it
+
+    @property
+    def harmony(self) -> bool:
+        """Channels, not a block: the reply is read by cllm.tools.harmony."""
+        return self.name == HARMONY
 
     def opened_by(self, prompt_tail: str) -> bool:
         """Whether a prompt ending in ``prompt_tail`` leaves the block open (the template wrote the start)."""
@@ -47,9 +60,13 @@ class ReasoningFormat:
         return tail.endswith(self.start)
 
 
-def parser_for_template(source: str | None) -> str:
-    """The reasoning parser a chat template's markers call for ("none" when it shows none)."""
+def parser_for_template(source: str | None, control_tokens: Callable[[], Collection[str]] | None = None) -> str:
+    """The reasoning parser a chat template's markers call for ("none" when it shows none).
+    ``control_tokens``: the vocabulary's control tokens, read only when the template shows no
+    markers (a gpt-oss model served with another template still writes harmony)."""
     text = source or ""
+    if is_harmony([text]):
+        return HARMONY
     if "<seed:think>" in text:
         return "seed_oss"
     if "[THINK]" in text:
@@ -58,18 +75,21 @@ def parser_for_template(source: str | None) -> str:
         return "kimi"
     if "</think>" in text:
         return "deepseek_r1"
+    if control_tokens is not None and is_harmony(control_tokens()):
+        return HARMONY
     return "none"
 
 
-def resolve_format(setting: str, template_source: str | None) -> ReasoningFormat | None:
-    """The format for a ``reasoning_parser`` setting (auto: from the template); None when off.
-    ValueError names a bad setting."""
+def resolve_format(setting: str, template_source: str | None,
+                   control_tokens: Callable[[], Collection[str]] | None = None) -> ReasoningFormat | None:
+    """The format for a ``reasoning_parser`` setting (auto: from the template, or the vocabulary's
+    ``control_tokens`` for harmony); None when off. ValueError names a bad setting."""
     if setting not in PARSER_NAMES:
         raise ValueError(f"invalid reasoning_parser={setting!r}: must be one of {', '.join(PARSER_NAMES)}")
-    name = parser_for_template(template_source) if setting == "auto" else setting
+    name = parser_for_template(template_source, control_tokens) if setting == "auto" else setting
     if name == "none":
         return None
-    start, end = MARKERS[name]
+    start, end = HARMONY_MARKERS if name == HARMONY else MARKERS[name]
     return ReasoningFormat(name, start, end)
 
 

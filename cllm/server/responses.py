@@ -21,7 +21,7 @@ from cllm.outputs import RequestOutput
 from cllm.server.chat import ChatJob, prepare_chat, run_chat
 from cllm.server.errors import APIError, bad_request, reject_unsupported
 from cllm.server.protocol import ChatCompletionRequest
-from cllm.server.reply import NORMAL_FINISH, Reply, ReplyStream, read_reply
+from cllm.server.reply import NORMAL_FINISH, Reply, ReplyStream, read_reply, read_unfinished
 from cllm.server.responses_input import (
     chat_messages,
     chat_response_format,
@@ -133,7 +133,8 @@ def _input_items(raw: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
 def build_response(ctx: ResponseContext, final: RequestOutput) -> JSONBody:
     """The non-streamed Response."""
     o = final.outputs[0]
-    reply = read_reply(o.text, ctx.job.reply) if o.finish_reason in NORMAL_FINISH else Reply(None, o.text, [])
+    fmt = ctx.job.reply
+    reply = read_reply(o.text, fmt) if o.finish_reason in NORMAL_FINISH else read_unfinished(o.text, fmt)
     output: list[dict[str, Any]] = []
     if reply.reasoning:
         output.append(reasoning_item(_item_id("rs"), reply.reasoning))

@@ -43,6 +43,7 @@ def build_sampling_params(
     req: GenerationRequest, *, max_tokens: int | None, logprobs: int | None, limits: RequestLimits,
     constraint: dict[str, Any] | None = None,
     prompt_logprobs: int | None = None,
+    skip_special_tokens: bool = True,
 ) -> SamplingParams:
     """SamplingParams from a request; APIError(400) naming the parameter on any bad value.
 
@@ -50,6 +51,7 @@ def build_sampling_params(
     two APIs spell them differently (``max_completion_tokens``, ``top_logprobs``).
     ``constraint`` holds output-constraint fields the endpoint derived (chat's response_format
     or forced tool call); with the request's own grammar fields, at most one may be set.
+    ``skip_special_tokens=False``: control tokens stay in the text (a harmony reply's markers).
     """
     _check_caps(req, max_tokens, limits)
     own = req.constraint()
@@ -79,6 +81,7 @@ def build_sampling_params(
             include_stop_str_in_output=bool(req.include_stop_str_in_output),
             **own, **(constraint or {}),
             prompt_logprobs=prompt_logprobs,
+            skip_special_tokens=skip_special_tokens,
         )
         params.check_vocab(limits.vocab_size)
     except APIError:

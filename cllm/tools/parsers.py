@@ -18,6 +18,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from cllm.tools.harmony import MARKERS as HARMONY_MARKERS
+from cllm.tools.harmony import is_harmony, read_harmony
 from cllm.tools.spec import ToolCall, make_call
 
 
@@ -150,14 +152,33 @@ class GenericParser(ToolParser):
         return []
 
 
+class HarmonyParser(ToolParser):
+    """gpt-oss's harmony: ``<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{...}<|call|>``
+    among the reply's other channels (cllm.tools.harmony reads them; a chat reply is read there
+    whole, reasoning included: cllm.server.reply). Here: the calls, and the content around them."""
+
+    name = "harmony"
+    markers = (*HARMONY_MARKERS, " to=")  # content streams up to the first header
+
+    def parse(self, text: str) -> ParsedOutput:
+        read = read_harmony(text, self.names)
+        content = read.content.strip() if read.calls else read.content
+        return ParsedOutput(content or None, read.calls)
+
+    def _calls(self, region: str) -> list[ToolCall]:
+        return read_harmony(region, self.names).calls
+
+
 PARSERS: dict[str, type[ToolParser]] = {
-    p.name: p for p in (HermesParser, MistralParser, Llama3JsonParser, GenericParser)
+    p.name: p for p in (HermesParser, MistralParser, Llama3JsonParser, GenericParser, HarmonyParser)
 }
 
 
 def parser_for_template(source: str | None) -> str:
     """The parser a chat template's own tool format needs ("generic" when it has none)."""
     text = source or ""
+    if is_harmony([text]):
+        return "harmony"
     if "<tool_call>" in text:
         return "hermes"
     if "[TOOL_CALLS]" in text:

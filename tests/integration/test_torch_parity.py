@@ -3,7 +3,8 @@
 Each architecture (Llama with llama3 rope scaling and untied head, Mistral
 with a (4096-token, here inactive) sliding window, Qwen2 with q/k/v bias and
 tied embeddings, Qwen3 with per-head q/k RMSNorm and a head_dim apart from
-hidden/heads) is built with random weights, saved as an HF
+hidden/heads, Qwen3-MoE with 8 experts, top 2 renormalised, one dense layer
+among sparse ones, Mixtral with 4 experts, top 2) is built with random weights, saved as an HF
 model directory, loaded by TorchBackend, and driven through mixed steps:
 prefill, chunked prefill, decode, prefix-cache hits, all in one batch. Every
 logits row we return must match transformers' full-sequence forward at that
@@ -25,13 +26,17 @@ from transformers import (
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
 )
 
-from cllm.backends.torch import attention
+from cllm.backends.torch import attention, moe
 from cllm.backends.torch.backend import TorchBackend
 from cllm.config import load_config
 
@@ -61,7 +66,22 @@ def _qwen3() -> torch.nn.Module:
     return Qwen3ForCausalLM(Qwen3Config(**COMMON, head_dim=24, tie_word_embeddings=False))
 
 
-ARCHS: dict[str, Callable[[], torch.nn.Module]] = {"llama": _llama, "mistral": _mistral, "qwen2": _qwen2, "qwen3": _qwen3}
+def _qwen3_moe() -> torch.nn.Module:
+    # Layer 1 is a dense MLP (mlp_only_layers), layers 0 and 2 sparse.
+    return Qwen3MoeForCausalLM(Qwen3MoeConfig(
+        **COMMON, head_dim=24, tie_word_embeddings=False, num_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=32, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[1],
+    ))
+
+
+def _mixtral() -> torch.nn.Module:
+    return MixtralForCausalLM(MixtralConfig(**COMMON, num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False))
+
+
+ARCHS: dict[str, Callable[[], torch.nn.Module]] = {
+    "llama": _llama, "mistral": _mistral, "qwen2": _qwen2, "qwen3": _qwen3, "qwen3_moe": _qwen3_moe, "mixtral": _mixtral,
+}
+SPARSE_LAYERS = {"qwen3_moe": [True, False, True], "mixtral": [True, True, True]}  # the MoE archs' sparse layers
 
 
 def _randomize_non_matrix_params(model: torch.nn.Module) -> None:
@@ -72,6 +92,15 @@ def _randomize_non_matrix_params(model: torch.nn.Module) -> None:
                 param.copy_(torch.randn_like(param) * 0.2 + (1.0 if "norm" in name else 0.0))
 
 
+def _spread_routers(model: torch.nn.Module) -> None:
+    """Router logits 4x the initialiser's, so the experts chosen depend strongly on the token (at 1x one of
+    the tiny Mixtral's layers sent 29 tokens to only two expert pairs; test_moe_routing checks the spread)."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                param.mul_(4.0)
+
+
 def _backend(model_dir: Path, **overrides: object) -> TorchBackend:
     settings = dict(backend="torch", model=str(model_dir), dtype="float32", device="cpu", block_size=BLOCK,
                     n_ctx=256, n_seq_max=8, n_threads=2)
@@ -79,14 +108,24 @@ def _backend(model_dir: Path, **overrides: object) -> TorchBackend:
     return TorchBackend(load_config(environ={}, **settings))
 
 
+def _built(name: str, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, torch.nn.Module, Path]:
+    torch.manual_seed(0)
+    model = ARCHS[name]().eval()
+    _randomize_non_matrix_params(model)
+    _spread_routers(model)
+    path = tmp_path_factory.mktemp(name)
+    model.save_pretrained(path)
+    return name, model, path
+
+
 @pytest.fixture(scope="module", params=sorted(ARCHS))
 def arch_model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, torch.nn.Module, Path]:
-    torch.manual_seed(0)
-    model = ARCHS[request.param]().eval()
-    _randomize_non_matrix_params(model)
-    path = tmp_path_factory.mktemp(request.param)
-    model.save_pretrained(path)
-    return request.param, model, path
+    return _built(request.param, tmp_path_factory)
+
+
+@pytest.fixture(scope="module", params=sorted(SPARSE_LAYERS))
+def moe_model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, torch.nn.Module, Path]:
+    return _built(request.param, tmp_path_factory)
 
 
 class Driver:
@@ -308,7 +347,61 @@ def test_engine_under_kv_pressure_matches_transformers(
         assert out.outputs[0].token_ids == ref[0, len(prompt):].tolist(), f"{name}: {prompt}"
 
 
-def test_unsupported_architecture_is_a_clear_value_error(tmp_path: Path) -> None:
+def test_an_architecture_without_a_native_decoder_is_refused_by_model_impl_native(tmp_path: Path) -> None:
     GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50)).save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match=r"'gpt2'.*llama, mistral, qwen2, qwen3"):
+    with pytest.raises(ValueError, match=r"model_impl=native cannot run this 'gpt2' model.*llama, mistral, qwen2, qwen3"):
+        _backend(tmp_path, model_impl="native")
+    assert _backend(tmp_path).model_impl == "transformers"  # auto: transformers' model code
+
+
+def test_a_linear_attention_hybrid_is_refused_with_what_is_served(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text('{"model_type": "qwen3_5_text", "layer_types": '
+                                          '["linear_attention", "full_attention"]}')
+    with pytest.raises(ValueError, match=r"cannot run model architecture 'qwen3_5_text'.*recurrent state.*"
+                                         r"runs natively: llama.*convert_hf_to_gguf\.py.*--backend llama_cpp"):
         _backend(tmp_path)
+
+
+def test_moe_routing_differs_per_token(moe_model: tuple[str, torch.nn.Module, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The MoE models' parity means something only if tokens go to different experts: check they do."""
+    name, _, path = moe_model
+    backend = _backend(path)
+    assert [w.moe is not None for w in backend.model.layers] == SPARSE_LAYERS[name]
+    chosen: list[torch.Tensor] = []
+    route = moe.route
+
+    def recording(*args: object) -> tuple[torch.Tensor, torch.Tensor]:
+        weights, experts = route(*args)
+        chosen.append(experts)
+        return weights, experts
+
+    monkeypatch.setattr(moe, "route", recording)
+    backend.admit("a", list(range(0, 290, 10)))
+    backend.forward_batch(list(range(0, 290, 10)), range(29), ["a"] * 29)
+    assert len(chosen) == sum(SPARSE_LAYERS[name])
+    for experts in chosen:  # every sparse layer: several top-1 experts and many distinct top-k sets
+        assert len(set(experts[:, 0].tolist())) >= 2
+        assert len({tuple(sorted(row)) for row in experts.tolist()}) >= 3
+
+
+def test_moe_stacked_and_per_expert_layouts_load_alike(moe_model: tuple[str, torch.nn.Module, Path]) -> None:
+    """transformers >= 5 holds experts stacked (``experts.gate_up_proj``; what a GGUF load hands us) but saves
+    them per expert (what test_mixed_batches loads): both layouts must give the same model."""
+    from safetensors.torch import load_file
+
+    from cllm.backends.torch.embedding import pooled_hidden_states
+    from cllm.backends.torch.loader import spec_from_config
+    from cllm.backends.torch.model import CausalLM
+
+    name, model, path = moe_model
+    stacked = {k: v.detach() for k, v in model.state_dict().items()}
+    saved = load_file(str(path / "model.safetensors"))
+    assert any(".experts.gate_up_proj" in k for k in stacked) and not any(".experts.gate_up_proj" in k for k in saved)
+    spec = spec_from_config(model.config)
+    inputs = [list(range(5, 60, 3)), list(range(100, 112))]
+    cpu = torch.device("cpu")
+    pooled = [
+        pooled_hidden_states(CausalLM(spec, state, dtype=torch.float32, device=cpu), inputs, "mean", cpu)
+        for state in (stacked, saved)
+    ]
+    np.testing.assert_allclose(pooled[0], pooled[1], atol=1e-6, rtol=0)

@@ -1,8 +1,10 @@
 """A scripted backend: the "model" writes a given reply (then EOS), whatever the prompt.
 
 Its tokenizer is character level (printable ASCII and newline) plus a few multi-character special
-tokens (``<think>``, ``</think>``, ``<tool_call>``, ``</tool_call>``, role markers), so a test can make
-a reply arrive as one marker token or as single characters (a marker split across tokens).
+tokens (``<think>``, ``</think>``, ``<tool_call>``, ``</tool_call>``, role markers, gpt-oss's harmony
+markers), so a test can make a reply arrive as one marker token or as single characters (a marker
+split across tokens). Specials named in ``controls`` are control tokens, as in a real vocabulary:
+no bytes of their own (decoding drops them), their text only through ``special_token``.
 """
 from __future__ import annotations
 
@@ -14,7 +16,9 @@ from cllm.backends.base import Tokenizer
 from tests.unit.fakes import FakeBackend
 
 _CHARS = [chr(c) for c in range(32, 127)] + ["\n"]
-SPECIALS = ["<think>", "</think>", "<tool_call>", "</tool_call>", "<|system|>", "<|user|>", "<|assistant|>", "<|tool|>"]
+SPECIALS = ["<think>", "</think>", "<tool_call>", "</tool_call>", "<|system|>", "<|user|>", "<|assistant|>", "<|tool|>",
+            "<|start|>", "<|channel|>", "<|message|>", "<|constrain|>", "<|end|>", "<|return|>", "<|call|>"]
+HARMONY_CONTROLS = ("<|start|>", "<|channel|>", "<|message|>", "<|constrain|>", "<|end|>", "<|return|>", "<|call|>")
 EOS = len(_CHARS) + len(SPECIALS)
 VOCAB = EOS + 1
 ASSISTANT = len(_CHARS) + SPECIALS.index("<|assistant|>")
@@ -35,8 +39,9 @@ PLAIN_TEMPLATE = "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% endfo
 
 
 class ScriptedTokenizer(Tokenizer):
-    def __init__(self, template: str) -> None:
+    def __init__(self, template: str, controls: Sequence[str] = ()) -> None:
         self._template = template
+        self._controls = tuple(controls)  # specials that are control tokens
 
     @property
     def vocab_size(self) -> int:
@@ -68,7 +73,17 @@ class ScriptedTokenizer(Tokenizer):
             return b""
         if token_id < len(_CHARS):
             return _CHARS[token_id].encode()
-        return SPECIALS[token_id - len(_CHARS)].encode()
+        special = SPECIALS[token_id - len(_CHARS)]
+        return b"" if special in self._controls else special.encode()
+
+    def special_token(self, token_id: int) -> str:
+        if len(_CHARS) <= token_id < EOS:
+            return SPECIALS[token_id - len(_CHARS)]
+        return self.decode([token_id])
+
+    @property
+    def control_tokens(self) -> tuple[str, ...]:
+        return self._controls
 
     def decode(self, token_ids: Sequence[int]) -> str:
         return b"".join(self.token_bytes(t) for t in token_ids).decode("utf-8", "replace")
@@ -81,9 +96,9 @@ class ScriptedTokenizer(Tokenizer):
 class ScriptedBackend(FakeBackend):
     """Writes ``script`` after the prompt's last ``<|assistant|>`` token, then EOS."""
 
-    def __init__(self, *, template: str = THINKING_TEMPLATE, **kwargs) -> None:
+    def __init__(self, *, template: str = THINKING_TEMPLATE, controls: Sequence[str] = (), **kwargs) -> None:
         super().__init__(**kwargs)
-        self._tok = ScriptedTokenizer(template)  # type: ignore[assignment]
+        self._tok = ScriptedTokenizer(template, controls)  # type: ignore[assignment]
         self.script_ids: list[int] = []
         self.prompts: list[str] = []  # every admitted prompt, decoded, in order
 

@@ -20,11 +20,17 @@ once (:func:`build_attention_batch`) and shared by every layer:
 - flash-attn path (CUDA, flash_attn installed, block_size a multiple of 256 as
   its paged kernel requires): one ``flash_attn_varlen_func`` call over the
   whole batch, reading K/V straight from the block pool.
+
+What a model asks of attention beyond softmax(q k^T / sqrt(d)) v (issue 40) is served on the SDPA path:
+a sliding window per layer (:class:`AttentionBatch` ``windowed``: metadata built once per distinct window,
+reading only the blocks the window covers), and :class:`AttentionExtras` (its own scale, logit
+softcapping, attention sinks), which swap SDPA for the matmul + softmax formulation where SDPA has no
+such option.
 """
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -108,6 +114,29 @@ class AttentionBatch:
     prefills: list[PrefillChunk | FlexChunk]  # the multi-token chunks
     flash: FlashBatch | None  # set when the flash-attn path serves the whole step
     flex_fn: Callable[..., torch.Tensor] | None = None  # flex_attention (compiled or eager) for Flex* parts
+    # The same step for layers with a sliding window of W tokens (a query at position p sees keys
+    # p - W + 1 .. p, as transformers' sliding masks), by W; SDPA path only.
+    windowed: dict[int, AttentionBatch] = field(default_factory=dict)
+
+    def for_window(self, window: int | None) -> AttentionBatch:
+        """The metadata of a layer with this sliding window (None: full attention). A window without
+        metadata of its own is one no sequence can outgrow (the backend builds every window shorter
+        than its longest context), so full attention is the same attention."""
+        return self.windowed.get(window, self) if window is not None else self
+
+
+@dataclass(slots=True, frozen=True)
+class AttentionExtras:
+    """A layer's departures from plain scaled dot-product attention."""
+
+    scale: float | None = None  # the scores' factor; None: 1 / sqrt(head_dim)
+    softcap: float | None = None  # scores become softcap * tanh(scores / softcap) before the mask (Gemma 2)
+    sinks: torch.Tensor | None = None  # [heads] float32: one extra logit per head in the softmax, no value (gpt-oss)
+
+    @property
+    def plain(self) -> bool:
+        """Whether SDPA serves it (its scale is an SDPA argument)."""
+        return self.softcap is None and self.sinks is None
 
 
 def flash_usable(device: torch.device, block_size: int) -> bool:
@@ -151,15 +180,30 @@ def slot_mapping(chunks: Sequence[SeqChunk], block_size: int) -> np.ndarray:
 
 def build_attention_batch(
     chunks: Sequence[SeqChunk], cache: PagedKVCache, *, q_per_kv: int, mode: str,
-    flex_fn: Callable[..., torch.Tensor] | None = None,
+    flex_fn: Callable[..., torch.Tensor] | None = None, windows: Sequence[int] = (),
 ) -> AttentionBatch:
     """Per-step attention metadata (one host-to-device copy per tensor, reused by every layer).
 
-    ``mode``: ``sdpa``, ``flex`` (needs ``flex_fn``) or ``flash``.
+    ``mode``: ``sdpa``, ``flex`` (needs ``flex_fn``) or ``flash``. ``windows``: the sliding windows
+    of the model's layers (SDPA only), each given its own metadata in ``windowed``.
     """
+    batch = _build(chunks, cache, q_per_kv=q_per_kv, mode=mode, flex_fn=flex_fn)
+    if windows and mode != "sdpa":
+        raise ValueError(f"sliding-window attention runs on the SDPA path, not {mode!r}")
+    for window in windows:
+        batch.windowed[window] = _build(chunks, cache, q_per_kv=q_per_kv, mode=mode, window=window,
+                                        rows=batch.write_rows)
+    return batch
+
+
+def _build(
+    chunks: Sequence[SeqChunk], cache: PagedKVCache, *, q_per_kv: int, mode: str,
+    flex_fn: Callable[..., torch.Tensor] | None = None, window: int | None = None, rows: torch.Tensor | None = None,
+) -> AttentionBatch:
     device = cache.k.device
     block_size = cache.shape.block_size
-    rows = to_device(cache.write_rows(slot_mapping(chunks, block_size)), device)
+    if rows is None:
+        rows = to_device(cache.write_rows(slot_mapping(chunks, block_size)), device)
     if mode == "flash":
         return AttentionBatch(rows, None, [], _flash_batch(chunks, block_size, device))
     single = [c for c in chunks if c.num_tokens == 1]
@@ -172,8 +216,8 @@ def build_attention_batch(
         decode = _flex_decode(single, cache, whole, q_per_kv) if single else None
         prefills = [_flex_or_gathered_chunk(c, cache, q_per_kv) for c in multi]
         return AttentionBatch(rows, decode, prefills, None, flex_fn)
-    decode = _decode_group(single, cache, whole_batch=whole) if single else None
-    prefills = [_prefill_chunk(c, cache, q_per_kv) for c in multi]
+    decode = _decode_group(single, cache, whole_batch=whole, window=window) if single else None
+    prefills = [_prefill_chunk(c, cache, q_per_kv, window) for c in multi]
     return AttentionBatch(rows, decode, prefills, None)
 
 
@@ -199,9 +243,14 @@ def _flex_or_gathered_chunk(c: SeqChunk, cache: PagedKVCache, q_per_kv: int) -> 
     return build_flex_chunk(c.row_start, c.num_tokens, c.start_pos, c.block_ids, cache)
 
 
-def _fresh_chunk(c: SeqChunk) -> PrefillChunk:
-    """A chunk at position 0: causal attention over its own K/V, no mask."""
-    return PrefillChunk(c.row_start, c.row_start + c.num_tokens, None, None)
+def _fresh_chunk(c: SeqChunk, window: int | None = None, device: torch.device | None = None) -> PrefillChunk:
+    """A chunk at position 0: causal attention over its own K/V, no mask (a token-by-token mask when
+    a sliding window is shorter than the chunk)."""
+    mask = None
+    if window is not None and c.num_tokens > window:
+        pos = np.arange(c.num_tokens)
+        mask = to_device((pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - window), device)
+    return PrefillChunk(c.row_start, c.row_start + c.num_tokens, None, mask)
 
 
 def _padded_tables(chunks: Sequence[SeqChunk], num_blocks: Sequence[int]) -> np.ndarray:
@@ -211,29 +260,48 @@ def _padded_tables(chunks: Sequence[SeqChunk], num_blocks: Sequence[int]) -> np.
     return tables
 
 
-def _decode_group(single: Sequence[SeqChunk], cache: PagedKVCache, *, whole_batch: bool) -> DecodeGroup:
+def _window_start(context: np.ndarray, window: int | None, block_size: int) -> np.ndarray:
+    """First block each query row must read: 0, or the block holding the oldest key its window covers."""
+    if window is None:
+        return np.zeros_like(context)
+    return np.maximum(context - window, 0) // block_size
+
+
+def _decode_group(single: Sequence[SeqChunk], cache: PagedKVCache, *, whole_batch: bool,
+                  window: int | None = None) -> DecodeGroup:
     device, block_size = cache.k.device, cache.shape.block_size
     context = np.array([c.start_pos + 1 for c in single])
-    tables = _padded_tables(single, [-(-n // block_size) for n in context])  # padding: block 0, masked out
-    keys = np.arange(tables.shape[1] * block_size)
-    mask = (keys[None, :] < context[:, None]).reshape(len(single), 1, 1, -1)
+    first = _window_start(context, window, block_size)  # blocks behind a sliding window are not read
+    last = -(-context // block_size)
+    tables = np.zeros((len(single), int((last - first).max())), dtype=np.int64)  # padding: block 0, masked out
+    for i, c in enumerate(single):
+        tables[i, : last[i] - first[i]] = c.block_ids[first[i] : last[i]]
+    keys = first[:, None] * block_size + np.arange(tables.shape[1] * block_size)[None, :]  # each key's position
+    mask = keys < context[:, None]
+    if window is not None:
+        mask &= keys >= context[:, None] - window
+    mask = mask.reshape(len(single), 1, 1, -1)
     # A pure decode step has one row per sequence, in order: no gather/scatter of rows needed.
     rows = None if whole_batch else to_device(np.array([c.row_start for c in single]), device)
     index = to_device(cache.gather_index(tables), device)
     return DecodeGroup(rows, len(single), index, to_device(mask, device))
 
 
-def _prefill_chunk(c: SeqChunk, cache: PagedKVCache, q_per_kv: int) -> PrefillChunk:
+def _prefill_chunk(c: SeqChunk, cache: PagedKVCache, q_per_kv: int, window: int | None = None) -> PrefillChunk:
     if c.start_pos == 0:  # nothing cached before it: the causal kernel over its own fresh K/V
-        return _fresh_chunk(c)
+        return _fresh_chunk(c, window, cache.k.device)
     device, block_size = cache.k.device, cache.shape.block_size
     context = c.start_pos + c.num_tokens
     q_pos = np.arange(c.start_pos, context)
+    first = int(_window_start(np.array([c.start_pos + 1]), window, block_size)[0])  # the first query's window
     nb = -(-context // block_size)
-    table = np.asarray(c.block_ids[:nb], dtype=np.int64)[None, :]
-    index, keys = to_device(cache.gather_index(table), device), np.arange(nb * block_size)
+    table = np.asarray(c.block_ids[first:nb], dtype=np.int64)[None, :]
+    index, keys = to_device(cache.gather_index(table), device), first * block_size + np.arange((nb - first) * block_size)
+    allowed = keys[None, :] <= q_pos[:, None]
+    if window is not None:
+        allowed &= keys[None, :] > q_pos[:, None] - window
     # Folded GQA: query rows are (head-in-group, token), so the token mask repeats per head.
-    mask = np.tile(keys[None, :] <= q_pos[:, None], (q_per_kv, 1))[None, None]
+    mask = np.tile(allowed, (q_per_kv, 1))[None, None]
     return PrefillChunk(c.row_start, c.row_start + c.num_tokens, index, to_device(mask, device))
 
 
@@ -252,76 +320,110 @@ def _flash_batch(chunks: Sequence[SeqChunk], block_size: int, device: torch.devi
 
 
 def paged_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: PagedKVCache, layer: int, batch: AttentionBatch
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: PagedKVCache, layer: int, batch: AttentionBatch,
+    extras: AttentionExtras | None = None,
 ) -> torch.Tensor:
     """Store the step's new K/V, then attend each token over its sequence's context.
 
-    q: ``[T, heads, dim]``; k, v: ``[T, kv_heads, dim]``. Returns ``[T, heads * dim]``.
+    q: ``[T, heads, dim]``; k, v: ``[T, kv_heads, dim]``. Returns ``[T, heads * dim]``. ``batch`` is
+    the layer's own (:meth:`AttentionBatch.for_window`); ``extras`` what else the layer asks for.
     """
     cache.write(layer, batch.write_rows, k, v)
+    if extras is not None and (batch.flash is not None or batch.flex_fn is not None):
+        raise ValueError("attention scale, softcapping and sinks run on the SDPA path")
     if batch.flash is not None:
         return _flash_attention(q, cache, layer, batch.flash)
     if batch.decode is not None and batch.decode.rows is None:
-        return _any_decode(q, cache, layer, batch)  # a pure decode step: no scatter
+        return _any_decode(q, cache, layer, batch, extras)  # a pure decode step: no scatter
     out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
     if batch.decode is not None:
-        out.index_copy_(0, batch.decode.rows, _any_decode(q, cache, layer, batch))
+        out.index_copy_(0, batch.decode.rows, _any_decode(q, cache, layer, batch, extras))
     for chunk in batch.prefills:
         if isinstance(chunk, FlexChunk):
             flex_chunk_attention(q, cache, layer, chunk, batch.flex_fn, out)  # type: ignore[arg-type]
-        elif chunk.mask is None:
-            _fresh_attention(q, k, v, chunk, out)
+        elif chunk.gather_index is None:
+            _fresh_attention(q, k, v, chunk, out, extras)
         else:
-            _prefill_attention(q, cache, layer, chunk, out)
+            _prefill_attention(q, cache, layer, chunk, out, extras)
     return out
 
 
-def _any_decode(q: torch.Tensor, cache: PagedKVCache, layer: int, batch: AttentionBatch) -> torch.Tensor:
+def _any_decode(q: torch.Tensor, cache: PagedKVCache, layer: int, batch: AttentionBatch,
+                extras: AttentionExtras | None) -> torch.Tensor:
     if isinstance(batch.decode, FlexDecode):
         return flex_decode_attention(q, cache, layer, batch.decode, batch.flex_fn)  # type: ignore[arg-type]
-    return _decode_attention(q, cache, layer, batch.decode)  # type: ignore[arg-type]
+    return _decode_attention(q, cache, layer, batch.decode, extras)  # type: ignore[arg-type]
 
 
-def _fresh_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk: PrefillChunk, out: torch.Tensor) -> None:
-    """Causal SDPA of a chunk with no earlier context, over its own K/V (native GQA, no mask tensor)."""
+def _fresh_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk: PrefillChunk, out: torch.Tensor,
+                     extras: AttentionExtras | None) -> None:
+    """Causal SDPA of a chunk with no earlier context, over its own K/V (native GQA; no mask tensor
+    unless a sliding window is shorter than the chunk)."""
     n = chunk.row_end - chunk.row_start
     sl = slice(chunk.row_start, chunk.row_end)
-    o = F.scaled_dot_product_attention(
-        q[sl].transpose(0, 1)[None], k[sl].transpose(0, 1)[None], v[sl].transpose(0, 1)[None],
-        is_causal=True, enable_gqa=True,
-    )
+    rows, keys, values = q[sl].transpose(0, 1)[None], k[sl].transpose(0, 1)[None], v[sl].transpose(0, 1)[None]
+    if extras is not None and not extras.plain:
+        group = rows.shape[1] // keys.shape[1]
+        keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
+        mask = chunk.mask if chunk.mask is not None else torch.ones(n, n, dtype=torch.bool, device=q.device).tril_()
+        sinks = None if extras.sinks is None else extras.sinks.view(1, -1, 1, 1)
+        o = _matmul_attention(rows, keys, values, mask, extras, sinks)
+    else:
+        o = F.scaled_dot_product_attention(rows, keys, values, attn_mask=chunk.mask, is_causal=chunk.mask is None,
+                                           enable_gqa=True, scale=None if extras is None else extras.scale)
     out[sl] = o[0].transpose(0, 1).reshape(n, -1)
 
 
-def _decode_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, group: DecodeGroup) -> torch.Tensor:
+def _decode_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, group: DecodeGroup,
+                      extras: AttentionExtras | None) -> torch.Tensor:
     """Attention of the one-token sequences, ``[B, heads * dim]`` in group order."""
     n, kv_heads, dim = group.num_seqs, cache.shape.num_kv_heads, cache.shape.head_dim
     rows = q[:n] if group.rows is None else q.index_select(0, group.rows)
     # [B, heads, dim] -> [B, kv_heads, group, dim]: a kv head's query heads are adjacent.
     rows = rows.view(n, kv_heads, -1, dim)
     keys, values = cache.gather(layer, group.gather_index, n)
-    if q.device.type == "cpu" and n * keys.shape[2] >= MATMUL_DECODE_MIN_KEYS:
-        o = _matmul_attention(rows, keys, values, group.mask)
+    plain = extras is None or extras.plain
+    if not plain or (q.device.type == "cpu" and n * keys.shape[2] >= MATMUL_DECODE_MIN_KEYS):
+        sinks = None if extras is None or extras.sinks is None else extras.sinks.view(1, kv_heads, -1, 1)
+        o = _matmul_attention(rows, keys, values, group.mask, extras, sinks)
     else:
-        o = F.scaled_dot_product_attention(rows, keys, values, attn_mask=group.mask)
+        o = F.scaled_dot_product_attention(rows, keys, values, attn_mask=group.mask,
+                                           scale=None if extras is None else extras.scale)
     return o.reshape(n, -1)
 
 
-def _matmul_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """softmax(q k^T / sqrt(d)) v with the softmax in float32 (as transformers' eager attention)."""
-    scores = torch.matmul(q, k.transpose(-1, -2)).float().mul_(q.shape[-1] ** -0.5)
-    probs = scores.masked_fill_(~mask, float("-inf")).softmax(dim=-1).to(v.dtype)
-    return torch.matmul(probs, v)
+def _matmul_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                      extras: AttentionExtras | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """softmax(q k^T * scale) v with the softmax in float32 (as transformers' eager attention); with
+    ``extras``' softcap applied to the scores before the mask (Gemma 2), and ``sinks`` (broadcast to
+    the scores' rows, one logit each) joining the softmax and dropped after it (gpt-oss)."""
+    scale = q.shape[-1] ** -0.5 if extras is None or extras.scale is None else extras.scale
+    scores = torch.matmul(q, k.transpose(-1, -2)).float().mul_(scale)
+    if extras is not None and extras.softcap is not None:
+        scores = scores.div_(extras.softcap).tanh_().mul_(extras.softcap)
+    scores = scores.masked_fill_(~mask, float("-inf"))
+    if sinks is None:
+        probs = scores.softmax(dim=-1)
+    else:
+        probs = torch.cat([scores, sinks.float().expand(*scores.shape[:-1], 1)], dim=-1).softmax(dim=-1)[..., :-1]
+    return torch.matmul(probs.to(v.dtype), v)
 
 
-def _prefill_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, chunk: PrefillChunk, out: torch.Tensor) -> None:
+def _prefill_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, chunk: PrefillChunk, out: torch.Tensor,
+                       extras: AttentionExtras | None) -> None:
     """A chunk after a cached prefix: masked SDPA over its gathered blocks."""
     n = chunk.row_end - chunk.row_start
     kv_heads, dim = cache.shape.num_kv_heads, cache.shape.head_dim
     # [n, heads, dim] -> [1, kv_heads, group * n, dim] with rows ordered (head-in-group, token).
     rows = q[chunk.row_start : chunk.row_end].view(n, kv_heads, -1, dim).permute(1, 2, 0, 3).reshape(1, kv_heads, -1, dim)
     keys, values = cache.gather(layer, chunk.gather_index, 1)  # type: ignore[arg-type]
-    o = F.scaled_dot_product_attention(rows, keys, values, attn_mask=chunk.mask)
+    if extras is not None and not extras.plain:
+        # a row's head is (kv head, head-in-group): its sink repeats over the chunk's n tokens
+        sinks = None if extras.sinks is None else extras.sinks.view(1, kv_heads, -1, 1).repeat_interleave(n, dim=2)
+        o = _matmul_attention(rows, keys, values, chunk.mask, extras, sinks)  # type: ignore[arg-type]
+    else:
+        o = F.scaled_dot_product_attention(rows, keys, values, attn_mask=chunk.mask,
+                                           scale=None if extras is None else extras.scale)
     # [1, kv_heads, group * n, dim] -> [n, heads * dim]
     out[chunk.row_start : chunk.row_end] = o.view(kv_heads, -1, n, dim).permute(2, 0, 1, 3).reshape(n, -1)
 

@@ -32,6 +32,7 @@ from cllm.backends.torch.flex import flex_function
 from cllm.backends.torch.kv_cache import KVCacheShape, PagedKVCache
 from cllm.backends.torch.loader import LoadedModel, ModelSpec, load_model
 from cllm.backends.torch.memory import activation_bytes, check_startup_free, cuda_memory, kv_bytes_per_token, size_kv_pool
+from cllm.backends.torch.hf_model import TransformersCausalLM, generic_spec
 from cllm.backends.torch.model import CausalLM
 from cllm.backends.torch.tokenizer import HFTokenizer
 from cllm.backends.torch.transfer import to_device
@@ -80,17 +81,33 @@ class TorchBackend(Backend):
             torch.set_num_threads(config.model.n_threads or _usable_cores())
         if self.device.type == "cuda":
             check_startup_free(cuda_memory(self.device), config.torch.gpu_memory_utilization)
-        loaded = load_model(resolve_model_path(config.model.model))
-        self.spec = loaded.spec
-        self._tokenizer = _load_tokenizer(loaded, config.model.chat_template)
-        self.model = CausalLM(
-            loaded.spec, loaded.state_dict, dtype=self.dtype, device=self.device, compiled=config.torch.torch_compile,
-            fp16_weights=self.fp16_weights,
-        )
+        loaded = load_model(resolve_model_path(config.model.model), config.torch.model_impl)
+        self.model: CausalLM | TransformersCausalLM
+        if loaded.hf_model is not None:  # the generic path: transformers' model code over our pool
+            self.model_impl = "transformers"
+            self.model = TransformersCausalLM(loaded.hf_model.to(self.device, self.dtype))
+            self.spec = generic_spec(self.model)
+            self.supports_embeddings = False  # pooled hidden states are the native decoder's (embedding.py)
+            log.info("model %s runs on transformers' model code over the paged KV cache (model_impl %s)",
+                     self.spec.architecture, config.torch.model_impl)
+        else:
+            self.model_impl = "native"
+            self.spec = loaded.spec
+            self.model = CausalLM(
+                loaded.spec, loaded.state_dict, dtype=self.dtype, device=self.device,
+                compiled=config.torch.torch_compile, fp16_weights=self.fp16_weights,
+            )
+        self._tokenizer = _load_tokenizer(loaded, self.spec.vocab_size, config.model.chat_template)
         del loaded
         block_size = config.torch.block_size
-        self._attention = attention_mode(config.torch.attention, self.device, block_size)
         max_seqs, max_tokens = _step_limits(config, self.device)
+        # Sliding windows shorter than the longest context: their layers' attention reads only their window.
+        longest = _max_model_len(self.spec, config.model.n_ctx or (
+            self.spec.max_position_embeddings if self.device.type == "cuda" else CPU_KV_TOKENS))
+        self._windows = tuple(w for w in self._model_windows() if w < longest)
+        if isinstance(self.model, CausalLM):
+            self.model.window = self._windows[0] if self._windows else None
+        self._attention = self._attention_mode(config.torch.attention, block_size)
         if self.device.type == "cuda" and config.model.n_ctx is None:
             # CUDA, n_ctx unset: the model's trained context, as far as the pool sized from memory holds it
             # (at least CPU_KV_TOKENS must fit); it used to be capped at CPU_KV_TOKENS without a word.
@@ -127,9 +144,30 @@ class TorchBackend(Backend):
         if self._attention == "flex" and (self.device.type == "cuda" or config.torch.torch_compile):
             self._warm_up()
 
+    def _model_windows(self) -> tuple[int, ...]:
+        """The model's sliding windows (the native decoder's applies to every layer)."""
+        if isinstance(self.model, TransformersCausalLM):
+            return self.model.windows
+        return (self.spec.sliding_window,) if self.spec.sliding_window else ()
+
+    def _attention_mode(self, setting: str, block_size: int) -> str:
+        """The attention path (attention.attention_mode), SDPA where the model asks for sliding windows,
+        its own scale, softcapping, sinks or mixed head geometry, which only that path serves."""
+        needs_sdpa = bool(self._windows) or (isinstance(self.model, TransformersCausalLM) and self.model.needs_sdpa)
+        if needs_sdpa and setting not in ("auto", "sdpa"):
+            raise ValueError(f"attention={setting!r}: this {self.spec.architecture} model's attention (sliding windows, "
+                             "softcapping, sinks or its own scale) runs on the sdpa path only")
+        if needs_sdpa:
+            if self.device.type == "cuda":
+                log.info("attention: sdpa (this model's sliding windows, softcapping, sinks or scale need it; "
+                         "no FlexAttention or CUDA graphs)")
+            return "sdpa"
+        return attention_mode(setting, self.device, block_size)
+
     def _decode_graphs(self, config: CllmConfig, max_seqs: int) -> DecodeGraphs | None:
-        """Captured decode graphs: CUDA with FlexAttention and cuda_graphs on; None elsewhere."""
-        if not (config.torch.cuda_graphs and self.device.type == "cuda" and self._attention == "flex"):
+        """Captured decode graphs: CUDA with FlexAttention and cuda_graphs on, native decoder; None elsewhere."""
+        if not (config.torch.cuda_graphs and self.device.type == "cuda" and self._attention == "flex"
+                and isinstance(self.model, CausalLM)):
             return None
         graphs = DecodeGraphs(
             self.model, self.kv, buckets=graph_buckets(_graph_rows(config, max_seqs)),
@@ -206,8 +244,11 @@ class TorchBackend(Backend):
         s = self.spec
         itemsize = torch.empty((), dtype=self.dtype).element_size()
         graphs = config.torch.cuda_graphs and self._attention == "flex"
+        intermediate = s.intermediate_size
+        if s.num_experts:  # an MoE layer holds, per token, k routed copies of its input, gate|up and output
+            intermediate = max(intermediate, s.num_experts_per_tok * (3 * s.hidden_size + 3 * s.moe_intermediate_size))
         reserve = activation_bytes(
-            max_batch_tokens=max_tokens, max_num_seqs=max_seqs, hidden=s.hidden_size, intermediate=s.intermediate_size,
+            max_batch_tokens=max_tokens, max_num_seqs=max_seqs, hidden=s.hidden_size, intermediate=intermediate,
             heads=s.num_heads, head_dim=s.head_dim, vocab=s.vocab_size, itemsize=itemsize,
             graph_rows=_graph_rows(config, max_seqs) if graphs else 0,
         )
@@ -419,7 +460,7 @@ class TorchBackend(Backend):
         logit_rows = self._to_device(np.asarray(rows, dtype=np.int64))
         q_per_kv = self.spec.num_heads // self.spec.num_kv_heads
         batch = build_attention_batch(seq_chunks, self.kv, q_per_kv=q_per_kv, mode=self._eager_attention,
-                                      flex_fn=self._flex_fn)
+                                      flex_fn=self._flex_fn, windows=self._windows)
         try:
             return self.model(*inputs, self.kv, batch, logit_rows)
         except Exception as err:
@@ -603,7 +644,7 @@ class TorchBackend(Backend):
             torch.cuda.empty_cache()
 
 
-def _load_tokenizer(loaded: LoadedModel, chat_template: str | None = None) -> HFTokenizer | None:
+def _load_tokenizer(loaded: LoadedModel, vocab_size: int, chat_template: str | None = None) -> HFTokenizer | None:
     """The model's tokenizer; None for a bare weights directory (forward_batch still works)."""
     directory = loaded.tokenizer_dir
     has_files = loaded.gguf_file is not None or any(
@@ -611,7 +652,7 @@ def _load_tokenizer(loaded: LoadedModel, chat_template: str | None = None) -> HF
     )
     if not has_files:
         return None
-    return HFTokenizer.load(directory, gguf_file=loaded.gguf_file, vocab_size=loaded.spec.vocab_size, extra_eos_ids=loaded.eos_token_ids,
+    return HFTokenizer.load(directory, gguf_file=loaded.gguf_file, vocab_size=vocab_size, extra_eos_ids=loaded.eos_token_ids,
                             chat_template=chat_template)
 
 
@@ -640,8 +681,6 @@ def _usable_cores() -> int:
 
 
 def _max_model_len(spec: ModelSpec, n_ctx: int) -> int:
-    """Longest sequence: KV room, trained context, and the sliding window (not implemented, so it caps)."""
-    limits = [n_ctx, spec.max_position_embeddings]
-    if spec.sliding_window:
-        limits.append(spec.sliding_window)
-    return min(limits)
+    """Longest sequence: KV room and trained context (a sliding window does not cap it: its layers
+    attend over their window, see attention.AttentionBatch.windowed)."""
+    return min(n_ctx, spec.max_position_embeddings)

@@ -1,4 +1,6 @@
-"""Weights and hyper-parameters of a Llama-family decoder, from an HF directory or a GGUF file.
+"""Weights and hyper-parameters of a decoder, from an HF directory or a GGUF file: for the native
+decoder (model.py) as a spec and a state dict, or as a transformers model for the generic path
+(hf_model.py), as model_impl.choose_impl decides.
 
 HF directory: ``config.json`` plus ``*.safetensors`` (or ``pytorch_model*.bin``).
 GGUF: transformers' GGUF loader dequantizes it into a ``*ForCausalLM`` whose
@@ -15,7 +17,7 @@ from typing import Any
 
 import torch
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -52,25 +54,31 @@ class ModelSpec:
     qk_norm: bool  # Qwen3: RMSNorm on each head's q and k before rope
     tie_word_embeddings: bool  # LM head shares the embedding matrix
     sliding_window: int | None  # attention window, if the model uses one
+    num_experts: int = 0  # MoE: experts per sparse layer (0 = a dense model)
+    num_experts_per_tok: int = 0  # MoE: experts each token is routed to (top-k)
+    moe_intermediate_size: int = 0  # MoE: each expert's MLP width
+    norm_topk_prob: bool = True  # MoE: top-k routing weights renormalised to sum to 1 (Mixtral always)
+    moe_layers: tuple[bool, ...] = ()  # MoE: per layer, sparse (True) or dense MLP; () = all dense
 
 
 @dataclass(slots=True)
 class LoadedModel:
     """What the loader hands the backend."""
 
-    spec: ModelSpec  # hyper-parameters
-    state_dict: dict[str, torch.Tensor]  # HF parameter names -> float tensors
+    spec: ModelSpec | None  # hyper-parameters (native path; None with hf_model)
+    state_dict: dict[str, torch.Tensor]  # HF parameter names -> float tensors (native path; empty with hf_model)
     tokenizer_dir: Path  # where AutoTokenizer should look
     gguf_file: str | None  # GGUF file name inside tokenizer_dir, if loaded from GGUF
     eos_token_ids: tuple[int, ...] = ()  # end tokens named by the model's (generation) config
+    hf_model: Any = None  # the transformers model, when its own code runs it (model_impl transformers)
 
 
 def check_architecture(arch: str | None) -> str:
-    """``arch`` if the torch backend runs it, else ValueError naming the supported ones."""
+    """``arch`` if the native decoder runs it, else ValueError naming the ones it runs."""
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ValueError(
-            f"the torch backend does not support model architecture {arch!r}; "
-            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)} (Llama-family decoders)"
+            f"the torch backend's native decoder does not implement model architecture {arch!r}; "
+            f"it implements: {', '.join(SUPPORTED_ARCHITECTURES)} (model_impl transformers runs the others)"
         )
     return arch
 
@@ -95,10 +103,27 @@ def spec_from_config(config: Any) -> ModelSpec:
         rms_norm_eps=config.rms_norm_eps,
         rope=_rope_spec(config),
         max_position_embeddings=config.max_position_embeddings,
-        qk_norm=arch == "qwen3",
+        qk_norm=arch in ("qwen3", "qwen3_moe"),
         tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
         sliding_window=window,
+        **_moe_fields(config, arch),
     )
+
+
+def _moe_fields(config: Any, arch: str) -> dict[str, Any]:
+    """The MoE fields of ModelSpec; none for a dense model."""
+    if arch == "mixtral":  # every layer sparse, experts as wide as intermediate_size, top-k always renormalised
+        return dict(num_experts=config.num_local_experts, num_experts_per_tok=config.num_experts_per_tok,
+                    moe_intermediate_size=config.intermediate_size, norm_topk_prob=True,
+                    moe_layers=(True,) * config.num_hidden_layers)
+    if arch != "qwen3_moe":
+        return {}
+    # Qwen3-MoE: a layer is sparse every decoder_sparse_step-th layer unless listed in mlp_only_layers.
+    experts, step, dense = config.num_experts, config.decoder_sparse_step, set(config.mlp_only_layers or ())
+    sparse = tuple(i not in dense and experts > 0 and (i + 1) % step == 0 for i in range(config.num_hidden_layers))
+    return dict(num_experts=experts, num_experts_per_tok=config.num_experts_per_tok,
+                moe_intermediate_size=config.moe_intermediate_size, norm_topk_prob=bool(config.norm_topk_prob),
+                moe_layers=sparse)
 
 
 def _rope_spec(config: Any) -> RopeSpec:
@@ -120,28 +145,42 @@ def _rope_spec(config: Any) -> RopeSpec:
     )
 
 
-def load_model(path: Path) -> LoadedModel:
-    """Load a GGUF file or an HF model directory (dequantized to float32 tensors)."""
+def load_model(path: Path, model_impl: str = "auto") -> LoadedModel:
+    """Load a GGUF file or an HF model directory (dequantized to float32 tensors), for the native
+    decoder or, as ``model_impl`` and the architecture decide (model_impl.choose_impl), as a
+    transformers model for the generic path."""
     if path.is_dir():
-        return _load_hf_dir(path)
+        return _load_hf_dir(path, model_impl)
     if path.suffix.lower() == ".gguf":
-        return _load_gguf(path)
+        return _load_gguf(path, model_impl)
     raise ValueError(f"model path {str(path)!r} is neither a .gguf file nor a Hugging Face model directory")
 
 
-def _load_hf_dir(path: Path) -> LoadedModel:
-    from transformers import AutoConfig
+def _load_hf_dir(path: Path, model_impl: str) -> LoadedModel:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from cllm.backends.torch.hf_model import ATTENTION_NAME, register_attention
+    from cllm.backends.torch.model_impl import choose_impl, llama_cpp_route, refuse_unservable, served_summary
 
     if not (path / "config.json").is_file():
         raise ValueError(f"model directory {str(path)!r} has no config.json")
+    raw = json.loads((path / "config.json").read_text())
     # Fail on the architecture before transformers tries to resolve its config class.
-    check_architecture(json.loads((path / "config.json").read_text()).get("model_type"))
-    config = AutoConfig.from_pretrained(path)
+    refuse_unservable(raw.get("model_type"), raw)
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except (ValueError, KeyError) as err:
+        raise ValueError(f"the torch backend does not support model architecture {raw.get('model_type')!r}: "
+                         f"transformers cannot read its config ({err}); {served_summary()}; {llama_cpp_route()}") from err
     eos = _as_ids(getattr(config, "eos_token_id", None))
     generation = path / "generation_config.json"
     if generation.is_file():
         eos += _as_ids(json.loads(generation.read_text()).get("eos_token_id"))
-    return LoadedModel(spec_from_config(config), _read_tensors(path), path, None, eos)
+    if choose_impl(model_impl, config) == "native":
+        return LoadedModel(spec_from_config(config), _read_tensors(path), path, None, eos)
+    register_attention()
+    hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=ATTENTION_NAME)
+    return LoadedModel(None, {}, path, None, eos, hf_model.eval())
 
 
 def _as_ids(value: int | list[int] | None) -> tuple[int, ...]:
@@ -162,17 +201,24 @@ def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
     return {k: v for f in files for k, v in torch.load(f, map_location="cpu", weights_only=True).items()}
 
 
-def _load_gguf(path: Path) -> LoadedModel:
+def _load_gguf(path: Path, model_impl: str) -> LoadedModel:
     from transformers import AutoModelForCausalLM
+
+    from cllm.backends.torch.hf_model import ATTENTION_NAME, register_attention
+    from cllm.backends.torch.model_impl import choose_impl
 
     # transformers dequantizes every tensor and undoes llama.cpp's Q/K permutation.
     hf_model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    eos = _as_ids(hf_model.config.eos_token_id) + _as_ids(getattr(hf_model.generation_config, "eos_token_id", None))
+    if choose_impl(model_impl, hf_model.config) == "transformers":
+        register_attention()
+        hf_model.set_attn_implementation(ATTENTION_NAME)
+        return LoadedModel(None, {}, path.parent, path.name, eos, hf_model.eval())
     spec = spec_from_config(hf_model.config)
     factors = gguf_rope_freq_factors(path)
     if factors is not None:  # transformers' GGUF loader drops this tensor: without it rope is wrong
         spec = dataclasses.replace(spec, rope=dataclasses.replace(spec.rope, freq_factors=factors))
     state = {k: v.detach() for k, v in hf_model.state_dict().items()}
-    eos = _as_ids(hf_model.config.eos_token_id) + _as_ids(getattr(hf_model.generation_config, "eos_token_id", None))
     return LoadedModel(spec, state, path.parent, path.name, eos)
 
 

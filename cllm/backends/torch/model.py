@@ -1,7 +1,8 @@
 """Our Llama-family decoder: one batched forward over flat varlen tokens.
 
-Covers Llama / SmolLM / Mistral (plain), Qwen2 (q/k/v bias) and Qwen3 (per-head
-q/k RMSNorm). Tokens of all scheduled sequences run through every layer as one
+Covers Llama / SmolLM / Mistral (plain), Qwen2 (q/k/v bias), Qwen3 (per-head
+q/k RMSNorm) and the Mixture-of-Experts Qwen3-MoE and Mixtral (their sparse
+MLPs in :mod:`moe`). Tokens of all scheduled sequences run through every layer as one
 ``[T, hidden]`` matrix; only attention looks at sequence boundaries (through the
 paged KV cache, see :mod:`attention`). Q/K/V and gate/up projections are fused
 into one matmul each: fewer, larger kernels matter on CPU where a step's op
@@ -19,6 +20,7 @@ from cllm.backends.torch.attention import AttentionBatch, paged_attention
 from cllm.backends.torch.kv_cache import PagedKVCache
 from cllm.backends.torch.linear import Linear
 from cllm.backends.torch.loader import ModelSpec, RopeSpec
+from cllm.backends.torch.moe import MoEWeights, load_moe, moe_forward, moe_tensor_names
 
 
 def rope_inv_freq(rope: RopeSpec, head_dim: int) -> torch.Tensor:
@@ -50,15 +52,17 @@ def _llama3_scaled(inv_freq: torch.Tensor, rope: RopeSpec) -> torch.Tensor:
 
 @dataclass(slots=True)
 class LayerWeights:
-    """One decoder layer's tensors, with Q|K|V and gate|up fused into one matmul each."""
+    """One decoder layer's tensors, with Q|K|V and gate|up fused into one matmul each; a sparse (MoE) layer
+    has ``moe`` in place of ``gate_up``/``down``."""
 
     input_norm: torch.Tensor  # RMSNorm weight before attention
     qkv: Linear  # [(heads + 2 * kv_heads) * head_dim, hidden]
     qk_norm: torch.Tensor | None  # Qwen3: per-head q/k RMSNorm weights as [heads + kv_heads, head_dim]
     o: Linear  # attention output projection
     post_norm: torch.Tensor  # RMSNorm weight before the MLP
-    gate_up: Linear  # [2 * intermediate, hidden]
-    down: Linear  # [hidden, intermediate]
+    gate_up: Linear | None  # [2 * intermediate, hidden]; None in a sparse layer
+    down: Linear | None  # [hidden, intermediate]; None in a sparse layer
+    moe: MoEWeights | None = None  # a sparse layer's router and experts
 
 
 def attention_inputs(
@@ -79,9 +83,11 @@ def attention_inputs(
 
 
 def output_and_mlp(x: torch.Tensor, attn_out: torch.Tensor, w: LayerWeights, eps: float) -> torch.Tensor:
-    """Attention output projection + residual, then pre-norm SwiGLU MLP + residual."""
+    """Attention output projection + residual, then pre-norm SwiGLU MLP (or sparse MoE MLP) + residual."""
     x = x + w.o(attn_out)
     h = F.rms_norm(x, (x.shape[-1],), w.post_norm, eps)
+    if w.moe is not None:
+        return x + moe_forward(h, w.moe)
     gate, up = w.gate_up(h).chunk(2, dim=-1)
     return x + w.down(F.silu(gate) * up)
 
@@ -107,9 +113,13 @@ class CausalLM:
         self.lm_head = Linear(self.embed if head is None or spec.tie_word_embeddings else head.to(device, dtype), None,
                               prepack=prepack, fp16_weights=fp16_weights)
         self.layers = [
-            _layer_weights(spec, state, f"model.layers.{i}.", dtype, device, prepack, fp16_weights)
+            _layer_weights(spec, state, f"model.layers.{i}.", dtype, device, prepack, fp16_weights,
+                           sparse=bool(spec.moe_layers) and spec.moe_layers[i])
             for i in range(spec.num_layers)
         ]
+        # Every layer's sliding window (Mistral v0.1), set by the backend when it is shorter than the
+        # context (a window the context never passes is full attention); None: full attention.
+        self.window: int | None = None
         self._attention_inputs, self._output_and_mlp = attention_inputs, output_and_mlp
         if compiled:  # weights are arguments, not attributes, so every layer shares one compiled graph
             self._attention_inputs = torch.compile(attention_inputs, dynamic=True)
@@ -127,6 +137,7 @@ class CausalLM:
         spec = self.spec
         x = F.embedding(input_ids, self.embed)
         cos, sin = self._rope_tables(positions, x.dtype)
+        batch = batch.for_window(self.window)
         for index, w in enumerate(self.layers):
             q, k, v = self._attention_inputs(x, w, cos, sin, spec.num_heads, spec.num_kv_heads, spec.rms_norm_eps)
             o = paged_attention(q, k, v, cache, index, batch)
@@ -145,10 +156,11 @@ class CausalLM:
 
 def _layer_weights(
     spec: ModelSpec, state: dict[str, torch.Tensor], prefix: str, dtype: torch.dtype, device: torch.device,
-    prepack: bool, fp16_weights: bool,
+    prepack: bool, fp16_weights: bool, *, sparse: bool,
 ) -> LayerWeights:
-    """One layer's HF tensors, fused (q|k|v, gate|up), cast and moved; absent biases stay None."""
-    _check_present(spec, state, prefix)
+    """One layer's HF tensors, fused (q|k|v, gate|up), cast and moved; absent biases stay None.
+    A ``sparse`` layer gets a MoE block (router and stacked experts) in place of the dense MLP."""
+    _check_present(spec, state, prefix, sparse)
 
     def get(name: str) -> torch.Tensor | None:
         t = state.get(prefix + name)
@@ -167,20 +179,32 @@ def _layer_weights(
     if spec.qk_norm:
         q_norm, k_norm = get(attn + "q_norm.weight"), get(attn + "k_norm.weight")
         qk_norm = torch.cat([q_norm.expand(spec.num_heads, -1), k_norm.expand(spec.num_kv_heads, -1)])
+    moe = gate_up = down = None
+    if sparse:
+        moe = load_moe(state, prefix, num_experts=spec.num_experts, top_k=spec.num_experts_per_tok,
+                       renormalize=spec.norm_topk_prob, dtype=dtype, device=device, prepack=prepack,
+                       fp16_weights=fp16_weights)
+    else:
+        gate_up = linear(fused(mlp + "gate_proj.weight", mlp + "up_proj.weight"), fused(mlp + "gate_proj.bias", mlp + "up_proj.bias"))
+        down = linear(get(mlp + "down_proj.weight"), get(mlp + "down_proj.bias"))
     return LayerWeights(
         input_norm=get("input_layernorm.weight"),
         qkv=linear(fused(*(attn + p + "_proj.weight" for p in "qkv")), fused(*(attn + p + "_proj.bias" for p in "qkv"))),
         qk_norm=qk_norm,
         o=linear(get(attn + "o_proj.weight"), get(attn + "o_proj.bias")),
         post_norm=get("post_attention_layernorm.weight"),
-        gate_up=linear(fused(mlp + "gate_proj.weight", mlp + "up_proj.weight"), fused(mlp + "gate_proj.bias", mlp + "up_proj.bias")),
-        down=linear(get(mlp + "down_proj.weight"), get(mlp + "down_proj.bias")),
+        gate_up=gate_up,
+        down=down,
+        moe=moe,
     )
 
 
-def _check_present(spec: ModelSpec, state: dict[str, torch.Tensor], prefix: str) -> None:
+def _check_present(spec: ModelSpec, state: dict[str, torch.Tensor], prefix: str, sparse: bool) -> None:
     required = [prefix + "self_attn." + p + "_proj.weight" for p in "qkvo"]
-    required += [prefix + "mlp." + p + "_proj.weight" for p in ("gate", "up", "down")]
+    if sparse:
+        required += moe_tensor_names(state, prefix, spec.num_experts)
+    else:
+        required += [prefix + "mlp." + p + "_proj.weight" for p in ("gate", "up", "down")]
     required += [prefix + n + ".weight" for n in ("input_layernorm", "post_attention_layernorm")]
     if spec.qk_norm:
         required += [prefix + "self_attn.q_norm.weight", prefix + "self_attn.k_norm.weight"]

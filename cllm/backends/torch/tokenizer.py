@@ -42,7 +42,10 @@ class HFTokenizer(Tokenizer):
         eos = {i for i in extra_eos_ids if i is not None}
         if hf_tokenizer.eos_token_id is not None:
             eos.add(hf_tokenizer.eos_token_id)
-        eos.update(vocab[t] for t in END_OF_TURN_TOKENS if t in vocab)
+        ends = [t for t in END_OF_TURN_TOKENS if t in vocab]
+        if "<|return|>" in vocab and "<|call|>" in vocab and "<|end|>" in ends:
+            ends.remove("<|end|>")  # harmony (gpt-oss): <|end|> closes a message; <|return|> / <|call|> end the turn
+        eos.update(vocab[t] for t in ends)
         self._eos = frozenset(eos)
         decoder = getattr(getattr(hf_tokenizer, "backend_tokenizer", None), "decoder", None)
         self._byte_level = type(decoder).__name__ == "ByteLevel"
