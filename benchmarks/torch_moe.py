@@ -21,7 +21,9 @@ repeat uses fresh prompts so no prefix cache serves one repeat from another.
         --out benchmarks/results/torch_moe_<machine>_<date>/result.json
 
 ``--arch mixtral`` times a Mixtral-shaped model instead (every layer sparse,
-experts as wide as ``--moe-intermediate``).
+experts as wide as ``--moe-intermediate``); ``--arch gemma3_text`` / ``llama`` a dense model of the
+same width and depth (cllm.tiny_models' family config: Gemma 3's sliding:full layers with a
+1,024-token window; MLP 4x wide), for the generic path (``--model-impl transformers``).
 """
 from __future__ import annotations
 
@@ -52,6 +54,13 @@ def model_config(args: argparse.Namespace) -> Any:
                   num_attention_heads=args.heads, num_key_value_heads=args.kv_heads, head_dim=args.hidden // args.heads,
                   num_experts_per_tok=args.top_k, max_position_embeddings=4096, initializer_range=0.02,
                   tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    if args.arch in ("gemma3_text", "llama"):  # dense shapes: the generic path against transformers and native
+        from cllm.tiny_models import tiny_config
+
+        return tiny_config(args.arch, window=1024, vocab_size=VOCAB, hidden_size=args.hidden, num_hidden_layers=args.layers,
+                           num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
+                           head_dim=args.hidden // args.heads, intermediate_size=4 * args.hidden,
+                           initializer_range=0.02)
     if args.arch == "mixtral":
         return MixtralConfig(**common, num_local_experts=args.experts, intermediate_size=args.moe_intermediate)
     return Qwen3MoeConfig(**common, num_experts=args.experts, moe_intermediate_size=args.moe_intermediate,
@@ -128,7 +137,7 @@ def hf_runner(args: argparse.Namespace, path: Path) -> tuple[str, Runner]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--arch", choices=["qwen3_moe", "mixtral"], default="qwen3_moe", help="model family")
+    parser.add_argument("--arch", choices=["qwen3_moe", "mixtral", "gemma3_text", "llama"], default="qwen3_moe", help="model family")
     parser.add_argument("--hidden", type=int, default=512, help="residual width")
     parser.add_argument("--layers", type=int, default=8, help="decoder layers (all sparse)")
     parser.add_argument("--heads", type=int, default=8, help="query heads (head_dim = hidden / heads)")

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 
 from cllm.backends.torch.attention import AttentionBatch, AttentionExtras, paged_attention
 from cllm.backends.torch.kv_cache import PagedKVCache
+from cllm.backends.torch.linear import Linear
 from cllm.backends.torch.loader import ModelSpec, RopeSpec
 
 log = logging.getLogger("cllm.torch")
@@ -128,11 +129,38 @@ def register_attention() -> None:
     AttentionInterface.register(ATTENTION_NAME, _cllm_attention)
 
 
+class _PackedLinear(torch.nn.Module):
+    """An ``nn.Linear`` whose matmul is cllm's Linear (oneDNN-prepacked, or fbgemm float16 weights):
+    the native decoder's CPU fast path for transformers' modules (their weights stay for state_dict)."""
+
+    def __init__(self, linear: torch.nn.Linear, fp16_weights: bool) -> None:
+        super().__init__()
+        self.weight, self.bias = linear.weight, linear.bias
+        self.packed = Linear(linear.weight.detach(), None if linear.bias is None else linear.bias.detach(),
+                             prepack=True, fp16_weights=fp16_weights)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.packed(x)
+
+
+def pack_linears(model: torch.nn.Module, *, fp16_weights: bool) -> int:
+    """Swap every ``nn.Linear`` of a CPU model for :class:`_PackedLinear`; how many were swapped."""
+    swapped = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is torch.nn.Linear and child.weight.device.type == "cpu":
+                setattr(parent, name, _PackedLinear(child, fp16_weights))
+                swapped += 1
+    return swapped
+
+
 class TransformersCausalLM:
     """A transformers ``*ForCausalLM`` driven step by step over the paged pool (same call as CausalLM)."""
 
-    def __init__(self, hf_model: torch.nn.Module) -> None:
+    def __init__(self, hf_model: torch.nn.Module, *, fp16_weights: bool = False) -> None:
         self.hf = hf_model
+        if next(hf_model.parameters()).device.type == "cpu":
+            pack_linears(hf_model, fp16_weights=fp16_weights)
         self.layers = self._probe()
         first = self.layers[0]
         self.num_heads = first.heads
