@@ -165,7 +165,8 @@ class TorchBackend(Backend):
         return attention_mode(setting, self.device, block_size)
 
     def _decode_graphs(self, config: CllmConfig, max_seqs: int) -> DecodeGraphs | None:
-        """Captured decode graphs: CUDA with FlexAttention and cuda_graphs on, native decoder; None elsewhere."""
+        """Captured decode graphs: CUDA with FlexAttention and cuda_graphs on, native decoder; None elsewhere
+        (capturing transformers' forward on the generic path hit an illegal memory access on an H200)."""
         if not (config.torch.cuda_graphs and self.device.type == "cuda" and self._attention == "flex"
                 and isinstance(self.model, CausalLM)):
             return None
