@@ -124,3 +124,35 @@ def test_matches_transformers(arch: str, impl: str, built: dict[str, Path],
             excused += 1
             break  # a near tie: the continuations may differ from here on
     assert excused <= 1, f"{arch}: {excused} of 3 generations met a near tie; the model's logits are too flat to test"
+
+
+GGUF = Path(__file__).resolve().parent.parent / "assets" / "models" / "tiny-gemma3-text-q8_0.gguf"
+
+
+def test_a_gguf_without_a_native_decoder_runs_on_the_transformers_path() -> None:
+    """A Gemma 3 GGUF (llama.cpp's converter, q8_0): transformers' GGUF reader dequantizes it, the
+    transformers path serves it, every row equal to transformers' forward of the same dequantized model."""
+    reference = AutoModelForCausalLM.from_pretrained(str(GGUF.parent), gguf_file=GGUF.name, dtype=torch.float32).eval()
+    backend = TorchBackend(load_config(environ={}, backend="torch", model=str(GGUF), dtype="float32", device="cpu",
+                                       block_size=BLOCK, n_ctx=256, n_seq_max=4, n_threads=2))
+    assert backend.model_impl == "transformers" and backend._windows == (WINDOW,)
+    assert backend.tokenizer.encode("Hello") == reference_tokens("Hello")
+    d = Driver(backend)
+    prompt = list(range(300, 340))
+    d.admit("a", prompt)
+    d.admit("b", prompt[:10])
+    d.step({"a": 25, "b": 10})
+    d.step({"a": 15, "b": 0})
+    for _ in range(4):
+        d.step({"a": 0, "b": 0})
+    with torch.no_grad():
+        for seq, by_pos in d.logits.items():
+            ref = reference(torch.tensor([d.tokens[seq]])).logits[0].numpy()
+            for position, row in by_pos.items():
+                np.testing.assert_allclose(row, ref[position], atol=ATOL, rtol=0, err_msg=f"{seq} at {position}")
+
+
+def reference_tokens(text: str) -> list[int]:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(GGUF.parent), gguf_file=GGUF.name).encode(text, add_special_tokens=False)
