@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from cllm.tiny_models import smollm2_tokenizer_dir
 from tests.integration.conftest_server import ServerProcess, finish_server, start_server
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -40,7 +41,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     path = tmp_path_factory.mktemp("tiny-gpt-oss")
-    tok = AutoTokenizer.from_pretrained(str(ROOT / ".tok"))
+    tok = AutoTokenizer.from_pretrained(str(smollm2_tokenizer_dir()))  # the embedded model's tokenizer
     tok.add_special_tokens({"additional_special_tokens": HARMONY})
     tok.eos_token = "<|return|>"
     tok.chat_template = (ROOT / "tests/assets/chat_templates/openai-gpt-oss-120b.jinja").read_text()
