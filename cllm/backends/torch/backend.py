@@ -1,10 +1,11 @@
-"""TorchBackend: our Llama-family decoder over a paged, prefix-cached KV pool.
+"""TorchBackend: our native decoder (Llama family, MoE) or a family's transformers model code
+(model_impl, see model_impl.py and hf_model.py) over a paged, prefix-cached KV pool.
 
 The backend turns the scheduler's flat per-token arrays into per-sequence
 chunks, checks them against what each sequence has in KV, runs one batched
 forward and then records the new tokens (registering blocks that became full
 in the prefix cache). Block bookkeeping lives in :class:`BlockManager`, the
-tensors in :class:`PagedKVCache`, the math in :class:`CausalLM`.
+tensors in :class:`PagedKVCache`, the math in :class:`CausalLM` (or :class:`TransformersCausalLM`).
 """
 from __future__ import annotations
 
