@@ -156,3 +156,22 @@ def reference_tokens(text: str) -> list[int]:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(GGUF.parent), gguf_file=GGUF.name).encode(text, add_special_tokens=False)
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "gpt_oss", "deepseek_v3", "gemma4_text"])
+def test_embeddings_on_the_transformers_path(arch: str, built: dict[str, Path],
+                                             tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Pooled hidden states of inputs packed in one forward (one longer than the window) equal
+    transformers' decoder run on each input alone, mean-pooled."""
+    path = _model_dir(built, arch, tmp_path_factory)
+    reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    backend = TorchBackend(load_config(environ={}, backend="torch", model=str(path), dtype="float32", device="cpu",
+                                       n_ctx=256, n_seq_max=4, n_threads=2, embedding_pooling="mean"))
+    assert backend.model_impl == "transformers" and backend.supports_embeddings
+    rng = np.random.default_rng(5)
+    inputs = [rng.integers(100, 40000, size=n).tolist() for n in (40, 9, 23)]
+    ours = backend.embed(inputs)
+    with torch.no_grad():
+        for row, ids in zip(ours, inputs):
+            want = reference.get_decoder()(torch.tensor([ids])).last_hidden_state[0].mean(0).numpy()
+            np.testing.assert_allclose(row, want, atol=ATOL, rtol=0)

@@ -367,7 +367,7 @@ def _fresh_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk: P
         keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
         mask = chunk.mask if chunk.mask is not None else torch.ones(n, n, dtype=torch.bool, device=q.device).tril_()
         sinks = None if extras.sinks is None else extras.sinks.view(1, -1, 1, 1)
-        o = _matmul_attention(rows, keys, values, mask, extras, sinks)
+        o = matmul_attention(rows, keys, values, mask, extras, sinks)
     else:
         o = F.scaled_dot_product_attention(rows, keys, values, attn_mask=chunk.mask, is_causal=chunk.mask is None,
                                            enable_gqa=True, scale=None if extras is None else extras.scale)
@@ -385,14 +385,14 @@ def _decode_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, group: D
     plain = extras is None or extras.plain
     if not plain or (q.device.type == "cpu" and n * keys.shape[2] >= MATMUL_DECODE_MIN_KEYS):
         sinks = None if extras is None or extras.sinks is None else extras.sinks.view(1, kv_heads, -1, 1)
-        o = _matmul_attention(rows, keys, values, group.mask, extras, sinks)
+        o = matmul_attention(rows, keys, values, group.mask, extras, sinks)
     else:
         o = F.scaled_dot_product_attention(rows, keys, values, attn_mask=group.mask,
                                            scale=None if extras is None else extras.scale)
     return o.reshape(n, -1)
 
 
-def _matmul_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+def matmul_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
                       extras: AttentionExtras | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """softmax(q k^T * scale) v with the softmax in float32 (as transformers' eager attention); with
     ``extras``' softcap applied to the scores before the mask (Gemma 2), and ``sinks`` (broadcast to
@@ -420,7 +420,7 @@ def _prefill_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, chunk: 
     if extras is not None and not extras.plain:
         # a row's head is (kv head, head-in-group): its sink repeats over the chunk's n tokens
         sinks = None if extras.sinks is None else extras.sinks.view(1, kv_heads, -1, 1).repeat_interleave(n, dim=2)
-        o = _matmul_attention(rows, keys, values, chunk.mask, extras, sinks)  # type: ignore[arg-type]
+        o = matmul_attention(rows, keys, values, chunk.mask, extras, sinks)  # type: ignore[arg-type]
     else:
         o = F.scaled_dot_product_attention(rows, keys, values, attn_mask=chunk.mask,
                                            scale=None if extras is None else extras.scale)

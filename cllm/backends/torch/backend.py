@@ -88,7 +88,6 @@ class TorchBackend(Backend):
             self.model_impl = "transformers"
             self.model = TransformersCausalLM(loaded.hf_model.to(self.device, self.dtype), fp16_weights=self.fp16_weights)
             self.spec = generic_spec(self.model)
-            self.supports_embeddings = False  # pooled hidden states are the native decoder's (embedding.py)
             log.info("model %s runs on transformers' model code over the paged KV cache (model_impl %s)",
                      self.spec.architecture, config.torch.model_impl)
         else:

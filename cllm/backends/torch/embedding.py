@@ -16,17 +16,22 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from cllm.backends.torch.hf_model import TransformersCausalLM
 from cllm.backends.torch.model import CausalLM
 
 
 @torch.inference_mode()
-def pooled_hidden_states(model: CausalLM, inputs: Sequence[Sequence[int]], pooling: str,
+def pooled_hidden_states(model: CausalLM | TransformersCausalLM, inputs: Sequence[Sequence[int]], pooling: str,
                          device: torch.device) -> np.ndarray:
     """``[len(inputs), hidden]`` float32: each input's normed final hidden states, pooled (mean | cls | last)."""
     lengths = [len(ids) for ids in inputs]
     ids = torch.tensor([t for seq in inputs for t in seq], dtype=torch.int64, device=device)
     positions = torch.cat([torch.arange(n, device=device) for n in lengths])
-    hidden = _final_hidden(model, ids, positions, _block_causal_mask(lengths, device))
+    mask = _block_causal_mask(lengths, device)
+    if isinstance(model, CausalLM):
+        hidden = _final_hidden(model, ids, positions, mask)
+    else:  # the transformers path: its decoder, attention through the same mask (hf_model._Packed)
+        hidden = model.final_hidden(ids, positions, mask)
     pooled = [_pool(part, pooling) for part in torch.split(hidden, lengths)]
     return torch.stack(pooled).float().cpu().numpy()
 

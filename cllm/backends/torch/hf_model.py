@@ -32,7 +32,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from cllm.backends.torch.attention import AttentionBatch, AttentionExtras, paged_attention
+from cllm.backends.torch.attention import AttentionBatch, AttentionExtras, matmul_attention, paged_attention
 from cllm.backends.torch.kv_cache import PagedKVCache
 from cllm.backends.torch.linear import Linear
 from cllm.backends.torch.loader import ModelSpec, RopeSpec
@@ -85,6 +85,28 @@ class _Step:
         return out[None]  # [1, T, heads, v_dim], as transformers' attention functions return
 
 
+class _Packed:
+    """Embeddings: several inputs packed in one forward, each attending only to its own earlier tokens
+    (``mask``: ``[T, T]`` block-causal), nothing cached (see embedding.py)."""
+
+    __slots__ = ("model", "mask", "positions")
+
+    def __init__(self, model: TransformersCausalLM, mask: torch.Tensor, positions: torch.Tensor) -> None:
+        self.model, self.mask, self.positions = model, mask, positions
+
+    def attend(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               window: int | None) -> torch.Tensor:
+        spec = self.model.layers[module.layer_idx]
+        group = query.shape[1] // key.shape[1]
+        key, value = key.repeat_interleave(group, dim=1), value.repeat_interleave(group, dim=1)
+        mask = self.mask
+        if window is not None:  # within the window of each query's own position
+            mask = mask & (self.positions[:, None] - self.positions[None, :] < window)
+        sinks = None if spec.extras is None or spec.extras.sinks is None else spec.extras.sinks.view(1, -1, 1, 1)
+        out = matmul_attention(query, key, value, mask, spec.extras, sinks)  # [1, heads, T, v_dim]
+        return out.transpose(1, 2)
+
+
 class _Probe:
     """A one-token forward's stand-in for :class:`_Step`: records each layer's call, attends nothing."""
 
@@ -105,7 +127,7 @@ class _Probe:
 def _cllm_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
                     sliding_window: int | None = None, softcap: float | None = None,
-                    s_aux: torch.Tensor | None = None, cllm_step: _Step | _Probe | None = None,
+                    s_aux: torch.Tensor | None = None, cllm_step: _Step | _Packed | _Probe | None = None,
                     **kwargs: Any) -> tuple[torch.Tensor, None]:
     """transformers' attention-function signature, over our pool (``cllm_step`` comes through the
     model's forward kwargs)."""
@@ -193,6 +215,12 @@ class TransformersCausalLM:
         return bool(self.windows) or any(
             layer.extras is not None or layer.kv_heads != self.kv_heads or layer.k_dim != self.head_dim
             or layer.v_dim != self.head_dim for layer in self.layers)
+
+    def final_hidden(self, input_ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """The decoder's normed final hidden states ``[T, hidden]`` of packed inputs (block-causal ``mask``)."""
+        out = self.hf.get_decoder()(input_ids=input_ids[None], position_ids=positions[None], use_cache=False,
+                                    cllm_step=_Packed(self, mask, positions))
+        return out.last_hidden_state[0]
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: PagedKVCache, batch: AttentionBatch,
                  logit_rows: torch.Tensor) -> torch.Tensor:
