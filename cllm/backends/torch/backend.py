@@ -166,7 +166,7 @@ class TorchBackend(Backend):
 
     def _decode_graphs(self, config: CllmConfig, max_seqs: int) -> DecodeGraphs | None:
         """Captured decode graphs: CUDA with FlexAttention and cuda_graphs on, native decoder; None elsewhere
-        (capturing transformers' forward on the generic path hit an illegal memory access on an H200)."""
+        (capturing transformers' forward on the generic path is untried: see docs/gpu.md)."""
         if not (config.torch.cuda_graphs and self.device.type == "cuda" and self._attention == "flex"
                 and isinstance(self.model, CausalLM)):
             return None
