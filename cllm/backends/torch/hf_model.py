@@ -153,13 +153,17 @@ def register_attention() -> None:
 
 class _PackedLinear(torch.nn.Module):
     """An ``nn.Linear`` whose matmul is cllm's Linear (oneDNN-prepacked, or fbgemm float16 weights):
-    the native decoder's CPU fast path for transformers' modules (their weights stay for state_dict)."""
+    the native decoder's CPU fast path for transformers' modules. The packed copy replaces the weight, as
+    in the native decoder (no double memory): ``weight`` is left an empty tensor of its dtype and device,
+    for code that reads those; ``in_features``/``out_features`` keep the shape."""
 
     def __init__(self, linear: torch.nn.Linear, fp16_weights: bool) -> None:
         super().__init__()
-        self.weight, self.bias = linear.weight, linear.bias
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.bias = linear.bias
         self.packed = Linear(linear.weight.detach(), None if linear.bias is None else linear.bias.detach(),
                              prepack=True, fp16_weights=fp16_weights)
+        self.register_buffer("weight", linear.weight.new_empty(0), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.packed(x)
@@ -240,7 +244,7 @@ def generic_spec(lm: TransformersCausalLM) -> ModelSpec:
                     or 4 * hidden)
     return ModelSpec(
         architecture=config.model_type,
-        vocab_size=lm.hf.get_output_embeddings().weight.shape[0],
+        vocab_size=lm.hf.get_output_embeddings().out_features,
         hidden_size=hidden,
         intermediate_size=intermediate,
         num_layers=len(lm.layers),
