@@ -98,7 +98,13 @@ class SchedulerConfig(_Section):
     preemption_mode: Literal["recompute", "swap"] = Field("recompute", description="how a preempted sequence resumes: re-evaluate its tokens, or restore saved KV (backends that support it)")
     max_waiting: int = Field(1024, ge=0, le=1 << 20, description="waiting-queue bound; beyond it new requests are refused (HTTP 429)")
     request_timeout_s: float | None = Field(None, gt=0, description="per-request deadline in seconds, from arrival; None = none")
+    lookahead: Literal["auto", "on", "off"] = Field("auto", description="one-step lookahead: launch the next decode step on the device-sampled ids before the host reads them, so the host's bookkeeping, outputs and next schedule run beside the device's forward instead of after it (docs/gpu.md); auto = on where the forward runs asynchronously and the backend samples on its device (torch on CUDA), off otherwise; on = wherever the backend can (the torch backend with torch.sampler: torch on CPU runs the same code path, for tests); never with speculative decoding, whose steps keep today's order")
     max_stop_string_chars: int = Field(256, ge=1, le=1 << 16, description="longest stop string a request may give (stop matching scans this much text per token)")
+
+    @field_validator("lookahead", mode="before")
+    @classmethod
+    def _on_off(cls, value: object) -> object:
+        return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value  # (YAML's bare on/off)
 
     @field_validator("max_decode_stall_ms", mode="before")
     @classmethod

@@ -18,8 +18,12 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
+
+from cllm.sampling.dispatch import launch_sample
+from cllm.sampling.sampler import SamplingRow
 
 
 class BackendError(RuntimeError):
@@ -114,6 +118,9 @@ class Backend(ABC):
     # scheduler's auto stall bound (max_decode_stall_ms: auto) is off (it cost 5-10 % of the server's
     # throughput on an H200 with no steady latency gain; docs/gpu.md).
     on_gpu: bool = False
+    # True when the backend can launch a decode step on ids its device sampled and the host has not read
+    # (forward_ahead / confirm_ahead): the engine's one-step lookahead (scheduler.lookahead).
+    supports_lookahead: bool = False
 
     @property
     @abstractmethod
@@ -192,6 +199,30 @@ class Backend(ABC):
         reusable cache until the room is needed; without it the KV is dropped
         (failed sequences, whose KV may be garbage).
         """
+
+    def sample(self, logits: Any, rows: Sequence[SamplingRow]) -> Any:
+        """Sample one token per row of this backend's logits, launched: see ``dispatch.launch_sample``
+        (``token_ids`` on the device, ``results()`` waits for it). A backend whose device is simulated
+        (the null backend's asynchronous mode) makes ``results()`` wait as a real device would."""
+        return launch_sample(logits, rows)
+
+    def forward_ahead(self, token_ids: Any, positions: Sequence[int], sequence_ids: Sequence[str]) -> Any:
+        """Launch a decode step of one token per sequence whose ids are ``token_ids``, a device tensor
+        the host has not read (a ``sample()``'s ``token_ids``, one per sequence, in order), at
+        ``positions`` (each sequence's tokens in KV, as ``forward_batch`` checks). Returns every
+        sequence's logits, in order, as ``forward_batch`` does, without waiting for the device.
+
+        The tokens' K/V is written at those positions, but the sequences do not hold them yet: only
+        ``confirm_ahead`` adds them (to the KV length and the prefix cache), once the host knows the
+        ids. A row the engine drops (its request ended, or was preempted or aborted meanwhile) is never
+        confirmed, so it is simply forgotten: its slot is rewritten by whatever comes next. The engine
+        reserves the room (``reserve``) first. Only where ``supports_lookahead``."""
+        raise NotImplementedError(f"the {self.name} backend has no lookahead")
+
+    def confirm_ahead(self, sequence_ids: Sequence[str], token_ids: Sequence[int]) -> None:
+        """The host has read the ids a ``forward_ahead`` ran on: each named sequence now holds its
+        ``token_ids[i]`` at the position that step wrote (its KV length grows by one)."""
+        raise NotImplementedError(f"the {self.name} backend has no lookahead")
 
     def truncate(self, sequence_id: str, num_tokens: int) -> int:
         """Forget the sequence's KV past its first ``num_tokens`` tokens (draft tokens a speculative step

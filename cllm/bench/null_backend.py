@@ -19,9 +19,21 @@ that long with the GIL released, split over ``syncs`` waits, as a CUDA backend r
 each of its synchronizations (the torch backend waits twice a step: for the staged inputs and for
 the sampled ids). It makes a CPU-only proxy of a GPU server: the engine's Python and the event
 loop then compete for the GIL around each wait exactly as they do around a CUDA sync.
+
+``device_ms`` instead simulates a device that runs *asynchronously*, as a GPU does: a forward is
+launched (queued to the device, a worker thread that takes each step ``device_ms`` plus ``token_us``
+per token, in order) and returns at once; the host waits only when it reads sampled ids
+(``sample(...).results()`` waits for every step launched before that sample, as ``.tolist()`` does
+for CUDA). Host work placed between a launch and that wait overlaps the device; host work placed
+after it does not. With ``device="torch"`` it also runs the engine's one-step lookahead
+(``forward_ahead``). ``keyed=True`` makes each row's logits a function of the sequence's last token
+and its position only (not of the row's place in the batch), so two schedules of the same requests
+must give the same tokens: what the lookahead's tests compare.
 """
 from __future__ import annotations
 
+import queue
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -29,6 +41,8 @@ from typing import Any
 import numpy as np
 
 from cllm.backends.base import Admission, Backend, BackendCapacity, BackendError, Tokenizer
+from cllm.sampling.dispatch import launch_sample
+from cllm.sampling.sampler import SampledToken, SamplingRow
 
 EOS_ID = 0
 FAVOURED_SPREAD = 8  # the table's top tokens cycle over this many ids per row (varied text)
@@ -72,9 +86,63 @@ class WordTokenizer(Tokenizer):
                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 
 
+class SimulatedDevice:
+    """A device queue: launched steps run one after another on a worker thread, each sleeping its
+    duration (with the GIL released, as a GPU runs beside the host); ``wait(n)`` blocks until the
+    first ``n`` launched steps are done. At most ``depth`` steps wait in the queue (the host blocks in
+    ``launch`` beyond that, as a full CUDA launch queue blocks)."""
+
+    def __init__(self, depth: int = 8) -> None:
+        self._queue: queue.Queue[float | None] = queue.Queue(maxsize=depth)
+        self._done = 0
+        self.launched = 0
+        self.busy_s = 0.0  # seconds the device spent running steps
+        self._cond = threading.Condition()
+        self._thread = threading.Thread(target=self._work, name="cllm-null-device", daemon=True)
+        self._thread.start()
+
+    def launch(self, seconds: float) -> int:
+        """Queue a step of ``seconds``; returns its number (for ``wait``)."""
+        self.launched += 1
+        self._queue.put(seconds)
+        return self.launched
+
+    def wait(self, number: int) -> None:
+        with self._cond:
+            self._cond.wait_for(lambda: self._done >= number)
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout=5)
+
+    def _work(self) -> None:
+        while True:
+            seconds = self._queue.get()
+            if seconds is None:
+                return
+            started = time.perf_counter()
+            time.sleep(seconds)
+            self.busy_s += time.perf_counter() - started
+            with self._cond:
+                self._done += 1
+                self._cond.notify_all()
+
+
+class _DeviceSample:
+    """A sample whose host values are ready once the device has run the steps launched before it."""
+
+    def __init__(self, launched: Any, device: SimulatedDevice, number: int) -> None:
+        self.token_ids = launched.token_ids
+        self._launched, self._device, self._number = launched, device, number
+
+    def results(self) -> list[SampledToken]:
+        self._device.wait(self._number)
+        return self._launched.results()
+
+
 class NullBackend(Backend):
     """``NullBackend(slots=256, vocab_size=1024, max_batch_tokens=8192, kv_tokens=4M, device="numpy", word_bytes=0,
-    step_ms=0.0, token_us=0.0, syncs=2)``."""
+    step_ms=0.0, token_us=0.0, syncs=2, device_ms=0.0, keyed=False)``."""
 
     name = "null"
     supports_prefix_cache = False
@@ -83,17 +151,28 @@ class NullBackend(Backend):
 
     def __init__(self, *, slots: int = 256, vocab_size: int = 1024, max_batch_tokens: int = 8192,
                  max_model_len: int = 32768, kv_tokens: int = 1 << 22, device: str = "numpy", seed: int = 0,
-                 word_bytes: int = 0, step_ms: float = 0.0, token_us: float = 0.0, syncs: int = 2) -> None:
+                 word_bytes: int = 0, step_ms: float = 0.0, token_us: float = 0.0, syncs: int = 2,
+                 device_ms: float = 0.0, keyed: bool = False) -> None:
         if device not in ("numpy", "torch"):
             raise ValueError(f"device must be 'numpy' or 'torch', got {device!r}")
-        if step_ms < 0 or token_us < 0 or syncs < 1:
-            raise ValueError(f"step_ms={step_ms}, token_us={token_us}, syncs={syncs}: need step_ms, token_us >= 0 and syncs >= 1")
+        if step_ms < 0 or token_us < 0 or syncs < 1 or device_ms < 0:
+            raise ValueError(f"step_ms={step_ms}, token_us={token_us}, syncs={syncs}, device_ms={device_ms}: "
+                             "need step_ms, token_us, device_ms >= 0 and syncs >= 1")
+        if step_ms and device_ms:
+            raise ValueError("give step_ms (a synchronous device) or device_ms (an asynchronous one), not both")
+        # An asynchronous device (device_ms): forwards are launched onto it and waited for in sample().
+        self._device = SimulatedDevice() if device_ms else None
+        self._device_s = device_ms / 1000
+        self.overlaps_host_work = self._device is not None
+        self.supports_lookahead = device == "torch"
+        self._keyed = keyed
         self._step_s = step_ms / 1000
         self._token_s = token_us / 1e6
         self._syncs = syncs
         self._cap = BackendCapacity(slots, max_batch_tokens, max_model_len, kv_tokens)
         self._tok = WordTokenizer(vocab_size, word_bytes)
         self._held: dict[str, int] = {}  # sequence -> KV tokens reserved
+        self._held_total = 0  # their sum (at most kv_tokens)
         self._computed: dict[str, int] = {}  # sequence -> tokens in "KV"
         rng = np.random.default_rng(seed)
         table = rng.standard_normal((max(slots, 1) * 2, vocab_size)).astype(np.float32)
@@ -125,9 +204,11 @@ class NullBackend(Backend):
     def reserve(self, sequence_id: str, num_tokens: int) -> bool:
         held = self._held
         if num_tokens > held[sequence_id]:  # (every decode asks each step: the common answer first)
-            if num_tokens > self._cap.max_model_len:
-                return False
+            grow = num_tokens - held[sequence_id]
+            if num_tokens > self._cap.max_model_len or self._held_total + grow > self._cap.kv_tokens:
+                return False  # (the scheduler preempts someone)
             held[sequence_id] = num_tokens
+            self._held_total += grow
         return True
 
     def forward_batch(self, flat_ids: Sequence[int], positions: Sequence[int], sequence_ids: Sequence[str], *,
@@ -143,20 +224,80 @@ class NullBackend(Backend):
         self._device_wait(len(flat_ids))
         wanted = len(counts) if logits_for is None else len(logits_for)
         rows = wanted + sum(counts[s] for s in all_logits_for)
-        if rows > len(self._table):
-            return self._table[np.arange(rows) % len(self._table)]
-        return self._table[:rows]
+        if self._keyed:
+            return self._keyed_rows(flat_ids, positions, sequence_ids, logits_for, all_logits_for)
+        return self._rows(rows)
+
+    def _rows(self, n: int) -> Any:
+        """The table's first ``n`` rows (cycled past its end)."""
+        if n > len(self._table):
+            return self._table[np.arange(n) % len(self._table)]
+        return self._table[:n]
+
+    def _keyed_rows(self, flat_ids: Sequence[int], positions: Sequence[int], sequence_ids: Sequence[str],
+                    logits_for: Sequence[str] | None, all_logits_for: Sequence[str]) -> Any:
+        last: dict[str, int] = {}  # sequence -> its last row in the batch
+        for r, sid in enumerate(sequence_ids):
+            last[sid] = r
+        order = [last[s] for s in (last if logits_for is None else logits_for)]
+        order += [r for s in all_logits_for for r in range(len(sequence_ids)) if sequence_ids[r] == s]
+        keys = [self._key(flat_ids[r], positions[r]) for r in order]
+        if isinstance(self._table, np.ndarray):
+            return self._table[np.asarray(keys, dtype=np.int64)]
+        return self._table.index_select(0, _index(keys))
+
+    def _key(self, token: Any, position: Any) -> Any:
+        """The table row of a sequence whose last token is ``token`` at ``position`` (keyed mode)."""
+        return (token * 31 + position * 7) % len(self._table)
+
+    def forward_ahead(self, token_ids: Any, positions: Sequence[int], sequence_ids: Sequence[str]) -> Any:
+        """See :meth:`Backend.forward_ahead`: checked like a decode step, advancing nothing until confirmed."""
+        self.num_forwards += 1
+        for sid, pos in zip(sequence_ids, positions):
+            if self._computed.get(sid) != pos:
+                raise BackendError(f"sequence {sid!r}: a step ahead at position {pos}, but it holds "
+                                   f"{self._computed.get(sid)} tokens", [sid])
+            if self._held[sid] < pos + 1:
+                raise BackendError(f"sequence {sid!r}: no room reserved for position {pos}", [sid])
+        self._device_wait(len(sequence_ids))
+        if self._keyed:
+            return self._table.index_select(0, self._key(token_ids, _index(positions)))
+        return self._rows(len(sequence_ids))
+
+    def confirm_ahead(self, sequence_ids: Sequence[str], token_ids: Sequence[int]) -> None:
+        for sid in sequence_ids:
+            self._computed[sid] += 1
+
+    def sample(self, logits: Any, rows: Sequence[SamplingRow]) -> Any:
+        launched = launch_sample(logits, rows)
+        if self._device is None:
+            return launched
+        return _DeviceSample(launched, self._device, self._device.launched)
 
     def _device_wait(self, num_tokens: int) -> None:
-        """The simulated device step: sleeping releases the GIL and takes it back, as a CUDA sync does."""
+        """The simulated device step: sleeping releases the GIL and takes it back, as a CUDA sync does;
+        on an asynchronous device (device_ms) the step is launched there instead."""
+        if self._device is not None:
+            self._device.launch(self._device_s + self._token_s * num_tokens)
+            return
         wait = self._step_s + self._token_s * num_tokens
         if wait > 0:
             for _ in range(self._syncs):
                 time.sleep(wait / self._syncs)
 
     def release(self, sequence_id: str, *, keep_cache: bool = True) -> None:
-        self._held.pop(sequence_id, None)
+        self._held_total -= self._held.pop(sequence_id, 0)
         self._computed.pop(sequence_id, None)
 
     def num_free_slots(self) -> int:
         return self._cap.max_num_seqs - len(self._held)
+
+    def close(self) -> None:
+        if self._device is not None:
+            self._device.close()
+
+
+def _index(values: Sequence[int]) -> Any:
+    import torch
+
+    return torch.as_tensor(values, dtype=torch.int64)

@@ -28,7 +28,7 @@ from cllm.handoff.snapshot import RequestSnapshot
 from cllm.outputs import EmbeddingOutput, RequestOutput
 from cllm.request import FIRST_FINAL, Request, RequestStatus
 from cllm.sampling.params import SamplingParams
-from cllm.sampling.dispatch import sample_logits, stack_rows
+from cllm.sampling.dispatch import sample_logits, stack_rows, take_rows
 from cllm.sampling.sampler import SampledToken, SamplingRow
 from cllm.scheduler.output import ScheduledChunk, SchedulerOutput
 from cllm.scheduler.scheduler import Scheduler
@@ -39,6 +39,15 @@ from cllm.structured.manager import PendingMask
 
 Prompt = str | Sequence[int]
 GC_GEN0_THRESHOLD = 5000  # allocations between young-generation collections while an engine exists (_raise_gc_threshold)
+
+
+@dataclass(slots=True)
+class _Ahead:
+    """A decode step launched before the host read the ids it runs on (the one-step lookahead)."""
+
+    requests: list[Request]  # one row each, in the logits' order
+    positions: list[int]  # the position each row's token was written at
+    logits: object  # their logits, on the device
 
 
 @dataclass(slots=True)
@@ -86,6 +95,9 @@ class LLMEngine:
         self._defer_text = self.backend.overlaps_host_work
         self._deferred: list[tuple[RequestGroup, int, SampledToken]] = []
         self._ready: list[RequestOutput] = []
+        self.lookahead = _lookahead_on(config, self.backend, self.speculator is not None)
+        self._ahead: _Ahead | None = None  # the step launched ahead, if any (lookahead)
+        self.ahead_rows = self.ahead_used = 0  # rows launched ahead, and of those, rows a step used (stats)
 
     # ------------------------------------------------------------- requests
     def apply_chat_template(self, messages: Sequence[dict], add_generation_prompt: bool = True,
@@ -290,6 +302,8 @@ class LLMEngine:
         live, or (``queued_ok``) while none is running: requests queued for an idle engine's first
         step hold no slot yet, so the work touches none of theirs."""
         idle = not self.scheduler.running if queued_ok else not self._groups
+        if idle:
+            self._ahead = None  # (rows of ended requests only)
         return idle and self.backend.idle_work()
 
     def request_ids(self) -> list[str]:
@@ -310,6 +324,8 @@ class LLMEngine:
             self._touch(touched, req)
         if not out.is_empty:
             self._run(out, touched)
+        else:
+            self._ahead = None  # every row it ran belonged to requests that ended
         if not self._defer_text or out.is_empty:
             self._flush_text()
         ready, self._ready = self._ready, []
@@ -332,7 +348,7 @@ class LLMEngine:
         mask = self.structured.start_fill(sampled_reqs)
         started = time.perf_counter()
         try:
-            logits, verify = self._forward(out.chunks)
+            logits, verify = self._forward_step(out.chunks)
             self.scheduler.observe_step(out.num_tokens, time.perf_counter() - started, len(out.chunks))
         except KVCacheFullError as err:
             if self.scheduler.preempt_for_kv(err.sequence_ids) is None:
@@ -356,6 +372,68 @@ class LLMEngine:
             # A decode step's cost by its size (every token has a logits row: the rows drafts add), its
             # sampling and verification included (on CUDA the host waits for the device there).
             self.speculator.observe_step(out.chunks, time.perf_counter() - started)
+
+    def _forward_step(self, chunks: list[ScheduledChunk]) -> tuple[np.ndarray, list[tuple[ScheduledChunk, np.ndarray]]]:
+        """:meth:`_forward`, taking what the lookahead already launched: a decode chunk whose request and
+        position match a row launched ahead uses that row's logits (the row is confirmed to the backend:
+        the host now knows its token); every other chunk (admissions, prompt chunks, rows the lookahead
+        skipped) runs in a forward now, and rows launched for requests that ended, were preempted or
+        aborted are dropped (never confirmed, so never in the KV length or the prefix cache). If that
+        forward fails, nothing is confirmed: the caller's fallbacks rerun the whole step as usual."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is None:
+            return self._forward(chunks)
+        row_of = {r.request_id: i for i, r in enumerate(ahead.requests)}
+        covered: dict[int, int] = {}  # chunk index -> ahead row
+        for ci, c in enumerate(chunks):
+            row = row_of.get(c.request.request_id)
+            if (row is not None and ahead.requests[row] is c.request and c.num_tokens == 1 and not c.draft
+                    and c.sample and c.start == ahead.positions[row]):
+                covered[ci] = row
+        rest = [c for ci, c in enumerate(chunks) if ci not in covered]
+        logits, verify = self._forward(rest) if rest else (None, [])
+        if covered:
+            kept = [chunks[ci].request for ci in covered]
+            self.backend.confirm_ahead([r.request_id for r in kept], [r.token_at(c.start) for r, c in
+                                                                      zip(kept, (chunks[ci] for ci in covered))])
+            self.ahead_used += len(covered)
+        if not rest and len(covered) == len(ahead.requests) and list(covered.values()) == list(range(len(covered))):
+            return ahead.logits, []  # the step is exactly what was launched (the steady state)
+        index: list[int] = []
+        offset, taken = len(ahead.requests), 0
+        for ci, c in enumerate(chunks):
+            if ci in covered:
+                index.append(covered[ci])
+            elif c.sample and not c.draft:
+                index.append(offset + taken)
+                taken += 1
+        parts = [ahead.logits] if logits is None or not taken else [ahead.logits, logits]
+        return take_rows(parts, index), verify
+
+    def _launch_ahead(self, reqs: list[Request], sample: object) -> None:
+        """The lookahead: launch the next decode step of the requests just sampled, on the ids the device
+        chose (``sample.token_ids``), before the host reads them. Rows are skipped for requests that this
+        token ends for sure (max_tokens), that score their prompt, or whose KV room cannot grow; a
+        failure to launch only means the next step runs as today's do."""
+        rows: list[int] = []
+        chosen: list[Request] = []
+        for i, req in enumerate(reqs):
+            if (req.status is not RequestStatus.RUNNING or req.needs_prompt_logits
+                    or len(req.output_token_ids) + 1 >= req.max_tokens
+                    or not self.backend.reserve(req.request_id, req.num_tokens + 1)):
+                continue
+            rows.append(i)
+            chosen.append(req)
+        if not chosen:
+            return
+        ids = sample.token_ids if len(rows) == len(reqs) else take_rows([sample.token_ids], rows)  # type: ignore[attr-defined]
+        positions = [r.num_tokens for r in chosen]  # (the sampled token is not appended yet)
+        try:
+            logits = self.backend.forward_ahead(ids, positions, [r.request_id for r in chosen])
+        except (BackendError, KVCacheFullError):
+            return  # the next step runs these rows itself (and reports what fails there)
+        self._ahead = _Ahead(chosen, positions, logits)
+        self.ahead_rows += len(chosen)
 
     def _forward(self, chunks: list[ScheduledChunk]) -> tuple[np.ndarray, list[tuple[ScheduledChunk, np.ndarray]]]:
         """The step's forward pass: the logits rows of the chunks that sample (no draft), and for each
@@ -418,7 +496,12 @@ class LLMEngine:
             self.structured.apply(logits, [r.request_id for r in reqs], mask)
         kept = self._rows
         rows = [kept[r.request_id] for r in reqs]
-        sampled = sample_logits(logits, rows) if reqs else []
+        sampled = []
+        if reqs:
+            launched = self.backend.sample(logits, rows)
+            if self.lookahead:
+                self._launch_ahead(reqs, launched)
+            sampled = launched.results()  # (the host waits for the device here)
         by_id = {r.request_id: s for r, s in zip(reqs, sampled)}
         now = time.monotonic()
         for req in self.scheduler.update_from_output(out, by_id):
@@ -589,10 +672,22 @@ class LLMEngine:
         ]
 
     def close(self) -> None:
+        self._ahead = None
         self.structured.close()
         if self.speculator is not None:
             self.speculator.close()
         self.backend.close()
+
+
+def _lookahead_on(config: CllmConfig, backend: Backend, speculative: bool) -> bool:
+    """Whether this engine launches each decode step ahead (scheduler.lookahead; docs/gpu.md)."""
+    setting = config.scheduler.lookahead
+    if setting == "off" or speculative:
+        return False  # (a speculative step's drafts come from the host's tokens: today's order)
+    if setting == "on" and not backend.supports_lookahead:
+        raise ValueError(f"scheduler.lookahead: on needs a backend that samples on its device (the torch backend "
+                         f"with torch.sampler torch, or auto on CUDA); the {backend.name} backend cannot: use auto or off")
+    return backend.supports_lookahead and (setting == "on" or backend.overlaps_host_work)
 
 
 def constraint_limits(config: CllmConfig) -> ConstraintLimits:

@@ -30,19 +30,32 @@ from cllm.sampling.sampler import NO_ALTERNATIVES, SampledToken, SamplingRow
 
 @dataclass(slots=True)
 class DeviceSample:
-    """The chosen tokens of a batch, still on the logits' device, plus the host-side results."""
+    """The chosen tokens of a batch, still on the logits' device; ``results()`` brings them to the host.
+
+    Everything is launched when this is made (the host-side inputs, penalties and the request's uniform
+    draw included); only ``results()`` waits for the device, so a caller can launch more work first
+    (the engine's lookahead launches the next decode step on ``token_ids``)."""
 
     token_ids: torch.Tensor  # [B] int64 on the logits' device (next step's input without a round trip)
-    results: list[SampledToken]  # per row: id, and logprobs when asked (host values)
+    rows: Sequence[SamplingRow]
+    logprob_rows: list[int]  # rows that asked for logprobs
+    logprobs: torch.Tensor | None  # their log-softmax rows
+    _results: list[SampledToken] | None = None
+
+    def results(self) -> list[SampledToken]:
+        """Per row: the id, and logprobs when asked (host values). Waits for the device the first time."""
+        if self._results is None:
+            self._results = _results(self.token_ids, self.rows, self.logprob_rows, self.logprobs)
+        return self._results
 
 
 def sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[SampledToken]:
     """Sample one token per row of ``logits`` ``[B, vocab]`` (modified in place), as the numpy sampler."""
-    return sample_on_device(logits, rows).results
+    return sample_on_device(logits, rows).results()
 
 
 def sample_on_device(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> DeviceSample:
-    """:func:`sample`, also returning the chosen ids as a device tensor."""
+    """:func:`sample`, launched: the chosen ids as a device tensor, their host copy on ``results()``."""
     if logits.dim() != 2 or logits.shape[0] != len(rows):
         raise ValueError(f"logits of shape {tuple(logits.shape)} for {len(rows)} sequences (want [{len(rows)}, vocab])")
     if logits.dtype != torch.float32:
@@ -56,7 +69,7 @@ def sample_on_device(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> Devic
     if stochastic:
         index = torch.tensor(stochastic, device=logits.device)
         chosen[index] = _draw(logits.index_select(0, index), [rows[i] for i in stochastic])
-    return DeviceSample(chosen, _results(chosen, rows, logprob_rows, logprobs))
+    return DeviceSample(chosen, rows, logprob_rows, logprobs)
 
 
 def _flat_index(per_row: Sequence[np.ndarray], vocab: int) -> np.ndarray:

@@ -169,7 +169,7 @@ def test_chosen_ids_stay_on_the_logits_device():
                      [0, 1, 2], [[], [], []])
     out = torch_sampler.sample_on_device(logits, rows)
     assert out.token_ids.device == logits.device and out.token_ids.dtype == torch.int64
-    assert out.token_ids.tolist() == [r.token_id for r in out.results]
+    assert out.token_ids.tolist() == [r.token_id for r in out.results()]
 
 
 @pytest.mark.parametrize("shape, dtype, text", [((2, VOCAB), torch.float32, "for 3 sequences"),

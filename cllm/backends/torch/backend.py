@@ -141,6 +141,8 @@ class TorchBackend(Backend):
         self._graphs = self._decode_graphs(config, max_seqs)
         # Logits stay on the device (torch sampler) or come to the host (numpy sampler).
         self._device_sampling = config.torch.sampler == "torch" or (config.torch.sampler == "auto" and self.device.type == "cuda")
+        # The lookahead launches a step on ids sampled on the device: only where they are.
+        self.supports_lookahead = self._device_sampling
         if self._attention == "flex" and (self.device.type == "cuda" or config.torch.torch_compile):
             self._warm_up()
 
@@ -327,6 +329,26 @@ class TorchBackend(Backend):
             self.blocks.record_computed_of(c.blocks, c.start_pos, flat[c.row_start : c.row_end])
         return logits
 
+    def forward_ahead(self, token_ids: torch.Tensor, positions: Sequence[int], sequence_ids: Sequence[str]) -> torch.Tensor:
+        """See :meth:`Backend.forward_ahead`: a decode step (a graph replay where one fits) whose ids are
+        copied on the device from the sampler's output; nothing is recorded until ``confirm_ahead``."""
+        pos = np.asarray(positions, dtype=np.int64)
+        if len(set(sequence_ids)) != len(pos) or token_ids.shape != (len(pos),):
+            raise ValueError(f"forward_ahead takes one token per sequence (got {tuple(token_ids.shape)} ids, "
+                             f"{len(pos)} positions, {len(set(sequence_ids))} distinct sequences)")
+        chunks = self._split(pos, pos, sequence_ids)
+        self._ensure_room(chunks)
+        try:
+            return self._run(token_ids, pos, chunks, list(range(len(chunks))))
+        except Exception as err:
+            raise BackendError(f"torch forward failed: {type(err).__name__}: {err}", [c.seq_id for c in chunks]) from err
+
+    def confirm_ahead(self, sequence_ids: Sequence[str], token_ids: Sequence[int]) -> None:
+        blocks = self.blocks
+        for seq_id, token in zip(sequence_ids, token_ids):
+            seq = blocks.sequence(seq_id)
+            blocks.record_computed_of(seq, seq.num_computed, (token,))
+
     def _split(self, ids: np.ndarray, pos: np.ndarray, sequence_ids: Sequence[str]) -> list[StepChunk]:
         """Contiguous per-sequence runs, checked against each sequence's KV state."""
         if not (len(ids) == len(pos) == len(sequence_ids)) or len(ids) == 0:
@@ -391,7 +413,9 @@ class TorchBackend(Backend):
                 raise KVCacheFullError(f"KV cache full: no block free for sequence {c.seq_id!r}", [c.seq_id])
 
     @torch.inference_mode()
-    def _run(self, ids: np.ndarray, pos: np.ndarray, chunks: list[StepChunk], rows: list[int]) -> np.ndarray | torch.Tensor:
+    def _run(self, ids: np.ndarray | torch.Tensor, pos: np.ndarray, chunks: list[StepChunk], rows: list[int]) -> np.ndarray | torch.Tensor:
+        """The step's logits rows ``rows``. ``ids`` is a host array, or (a step launched ahead) a tensor
+        already on the device, for a pure decode step."""
         seq_chunks = [SeqChunk(c.row_start, c.row_end - c.row_start, c.start_pos, c.blocks.block_ids) for c in chunks]
         if self._graphs is not None and len(chunks) == len(ids):  # a pure decode step: replay a graph
             logits = self._graphs.run(ids, seq_chunks)
@@ -453,7 +477,7 @@ class TorchBackend(Backend):
             wanted[from_rest] = len(graph_rows) + np.arange(int(from_rest.sum()))
         return logits.index_select(0, self._to_device(wanted))
 
-    def _forward_eager(self, ids: np.ndarray, pos: np.ndarray, seq_chunks: list[SeqChunk], rows: list[int]) -> torch.Tensor:
+    def _forward_eager(self, ids: np.ndarray | torch.Tensor, pos: np.ndarray, seq_chunks: list[SeqChunk], rows: list[int]) -> torch.Tensor:
         """One step without a graph. If FlexAttention fails to compile for it, the step is run again with
         SDPA (its K/V writes land in the same slots with the same values) and so is every later eager step:
         a compile failure costs speed, never a request (logged once)."""
@@ -480,7 +504,9 @@ class TorchBackend(Backend):
         with torch.inference_mode(False):  # a normal tensor: the grammar mask and sampler edit it in place
             return logits.clone()
 
-    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+    def _to_device(self, array: np.ndarray | torch.Tensor) -> torch.Tensor:
+        if isinstance(array, torch.Tensor):  # (ids sampled on the device: a step launched ahead)
+            return array.to(self.device)
         return to_device(array, self.device)
 
     # ----- optional: embeddings -----------------------------------------------------------

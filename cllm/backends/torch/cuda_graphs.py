@@ -128,14 +128,20 @@ class DecodeGraphs:
             if on_each is not None:
                 on_each()
 
-    def run(self, ids: np.ndarray, chunks: Sequence[SeqChunk]) -> torch.Tensor | None:
-        """Float32 logits ``[n, vocab]`` of a pure decode step; None if it is larger than every bucket."""
+    def run(self, ids: np.ndarray | torch.Tensor, chunks: Sequence[SeqChunk]) -> torch.Tensor | None:
+        """Float32 logits ``[n, vocab]`` of a pure decode step; None if it is larger than every bucket.
+        ``ids`` may be a device tensor (a step launched ahead on sampled ids): copied device to device
+        into the ids buffer after the host's inputs (stream order keeps the copies in that order)."""
         size = bucket_for(len(chunks), self.buckets)
         if size is None:
             return None
-        padded_ids, padded = pad_decode(ids, chunks, size, self._scratch)
+        on_device = isinstance(ids, torch.Tensor)
+        host_ids = np.zeros(len(chunks), dtype=np.int64) if on_device else ids
+        padded_ids, padded = pad_decode(host_ids, chunks, size, self._scratch)
         bucket = self._bucket(size)
         self._fill(bucket, padded_ids, padded)
+        if on_device:
+            bucket.inputs.device["ids"][: len(chunks)].copy_(ids)
         if bucket.graph is not None:
             bucket.graph.replay()
             logits = bucket.logits
