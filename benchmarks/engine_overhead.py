@@ -30,6 +30,16 @@ server keeps of its engine. Pick MS so that the engine-bound rate leaves the 2 c
 clients (5-10 ms), e.g.
 
     .venv/bin/python benchmarks/engine_overhead.py --step-ms 8 --tokens 128 --rounds 3
+
+With ``--device-ms D`` the device is *asynchronous* (issue 41): a forward is launched and completes D ms
+later on its own (NullBackend's simulated device), and the host waits only when it reads the sampled ids,
+as it does for CUDA. At each level and sampling mode it reports the engine's wall ms per decode step
+against D, against the host's own time per step (the engine thread's CPU time) and against their sum,
+with the one-step lookahead off (today's order: the calibration, step = host + D) and on (step =
+max(host, D) when the overlap works); then the served output tok/s (the null server with the same device,
+closed-loop streams) against ``1000 x B / max(host, D)``, lookahead off and on, alternating. E.g.
+
+    .venv/bin/python benchmarks/engine_overhead.py --device-ms 5 --json results.json
 """
 from __future__ import annotations
 
@@ -38,11 +48,13 @@ import asyncio
 import json
 import multiprocessing as mp
 import os
+import resource
 import socket
 import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 try:
@@ -156,6 +168,7 @@ def server_us_per_token(port: int, pid: int, batch: int, mode: str, args: argpar
     per = [batch // procs_n + (1 if i < batch % procs_n else 0) for i in range(procs_n)]
     results: mp.Queue[int] = mp.Queue()
     before = _thread_cpu(pid)
+    clients_before = resource.getrusage(resource.RUSAGE_CHILDREN)
     procs = [mp.Process(target=_client, args=(port, n, _rounds(batch, args), body, results)) for n in per]
     t0 = time.perf_counter()
     for p in procs:
@@ -171,6 +184,9 @@ def server_us_per_token(port: int, pid: int, batch: int, mode: str, args: argpar
         if used > 0:
             split[role] = used * 1e6 / tokens
     split["total"] = sum(split.values())
+    clients_after = resource.getrusage(resource.RUSAGE_CHILDREN)  # (the client processes, joined above)
+    split["clients"] = 1e6 * (clients_after.ru_utime + clients_after.ru_stime - clients_before.ru_utime
+                              - clients_before.ru_stime) / tokens
     split["tokens"] = tokens
     split["tok_s"] = tokens / wall
     return split
@@ -179,6 +195,77 @@ def server_us_per_token(port: int, pid: int, batch: int, mode: str, args: argpar
 def _rounds(batch: int, args: argparse.Namespace) -> int:
     """Requests each closed-loop stream sends: ``--rounds``, else enough tokens for the CPU clock's 10 ms ticks."""
     return args.rounds or max(1, -(-args.min_tokens // (batch * args.tokens)))
+
+
+# -------------------------------------------------------------- asynchronous device proxy (--device-ms)
+def proxy_engine_step(batch: int, mode: str, lookahead: str, args: argparse.Namespace) -> dict[str, float]:
+    """Wall ms and the engine thread's CPU ms per decode step with ``batch`` sequences running on the
+    asynchronous simulated device (the median over ``--repeats`` runs of ``--steps`` steps)."""
+    backend = NullBackend(slots=batch, vocab_size=args.vocab, device="torch", device_ms=args.device_ms,
+                          token_us=args.token_us)
+    config = load_config(None, environ={}, n_seq_max=batch, max_waiting=4096, lookahead=lookahead)
+    engine = LLMEngine(config, backend=backend)
+    params = cllm.SamplingParams(max_tokens=args.repeats * args.steps + 64, ignore_eos=True, **MODES[mode])
+    for i in range(batch):
+        engine.add_request([300 + (i + j) % 500 for j in range(args.prompt_len)], params)
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.requests.values()) \
+            or engine.scheduler.num_waiting:
+        engine.step()
+    for _ in range(8):  # warm
+        engine.step()
+    walls, hosts = [], []
+    for _ in range(args.repeats):
+        w0, h0 = time.perf_counter(), time.thread_time()
+        for _ in range(args.steps):
+            engine.step()
+        walls.append(1000 * (time.perf_counter() - w0) / args.steps)
+        hosts.append(1000 * (time.thread_time() - h0) / args.steps)
+    engine.close()
+    return {"step_ms": statistics.median(walls), "host_ms": statistics.median(hosts)}
+
+
+def device_proxy(args: argparse.Namespace) -> dict[str, dict]:
+    """The asynchronous-device proxy's tables (see the module docstring)."""
+    import torch
+
+    torch.set_num_threads(1)  # the sampler's math stands for device work (as in the null server)
+    d = args.device_ms
+    out: dict[str, dict] = {"step_ms": {}, "host_ms": {}, "device_ms": d, "served": {}}
+    for mode in args.modes:
+        for b in args.levels:
+            for lookahead in ("off", "on"):
+                r = proxy_engine_step(b, mode, lookahead, args)
+                key = f"{mode}/{b}/lookahead_{lookahead}"
+                out["step_ms"][key], out["host_ms"][key] = round(r["step_ms"], 3), round(r["host_ms"], 3)
+                step, host = r["step_ms"], r["host_ms"]
+                print(f"engine {mode:6s} B={b:<4d} lookahead {lookahead:3s}  step {step:6.2f} ms  host {host:5.2f} ms  "
+                      f"device {d:g} ms   step/max {step / max(host, d):.3f}  step/sum {step / (host + d):.3f}", flush=True)
+    if args.skip_server:
+        return out
+    for lookahead in ("off", "on"):
+        proc, port = start_null_server(args, max(args.levels), ["--device-ms", str(d), f"--set=lookahead={lookahead}"])
+        try:
+            for b in args.levels:
+                served = server_us_per_token(port, proc.pid, b, "greedy", args)
+                host = out["host_ms"][f"greedy/{b}/lookahead_{lookahead}"]
+                bound = 1000 * b / max(host, d)
+                out["served"][f"{b}/lookahead_{lookahead}"] = {
+                    "tok_s": round(served["tok_s"], 1), "bound_tok_s": round(bound, 1),
+                    "ratio": round(served["tok_s"] / bound, 3), "server_us_per_token": round(served["total"], 1),
+                    "engine_thread_us": round(served.get("engine", 0), 1), "event_loop_us": round(served.get("event_loop", 0), 1),
+                    "other_us": round(served.get("other", 0), 1), "engine_core_us": round(served.get("engine_core", 0), 1),
+                    "clients_us": round(served["clients"], 1),
+                    "machine_cores_busy": round((served["total"] + served["clients"]) * served["tok_s"] / 1e6, 2)}
+                print(f"served B={b:<4d} lookahead {lookahead:3s}  {served['tok_s']:9,.0f} tok/s  = "
+                      f"{served['tok_s'] / bound:.3f} x 1000 x B / max(host, device)  (server CPU "
+                      f"{served['total']:.1f} µs/token: engine thread {served.get('engine', 0):.1f}, event loop "
+                      f"{served.get('event_loop', 0):.1f}, engine process {served.get('engine_core', 0):.1f}; clients "
+                      f"{served['clients']:.1f} µs/token; {out['served'][f'{b}/lookahead_{lookahead}']['machine_cores_busy']:.2f} "
+                      f"cores busy)", flush=True)
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)
+    return out
 
 
 # ------------------------------------------------------------------------------ GPU proxy (--step-ms)
@@ -225,11 +312,12 @@ def gpu_proxy(args: argparse.Namespace) -> dict[str, dict[str, float]]:
     return out
 
 
-def start_null_server(args: argparse.Namespace, slots: int) -> tuple[subprocess.Popen, int]:
+def start_null_server(args: argparse.Namespace, slots: int, extra: Sequence[str] = ()) -> tuple[subprocess.Popen, int]:
     port = _free_port()
+    device = "torch" if args.device_ms else args.device
     proc = subprocess.Popen([sys.executable, "-m", "cllm.bench.null_server", "--port", str(port), "--slots", str(slots),
-                             "--vocab", str(args.vocab), "--device", args.device, "--step-ms", str(args.step_ms),
-                             "--token-us", str(args.token_us), *(f"--set={kv}" for kv in args.set)], cwd=ROOT)
+                             "--vocab", str(args.vocab), "--device", device, "--step-ms", str(args.step_ms),
+                             "--token-us", str(args.token_us), *(f"--set={kv}" for kv in args.set), *extra], cwd=ROOT)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         try:
@@ -261,6 +349,9 @@ def main() -> None:
     parser.add_argument("--step-ms", type=float, default=0.0,
                         help="GPU proxy: simulated device ms per forward (GIL released); reports served vs engine tok/s")
     parser.add_argument("--token-us", type=float, default=0.0, help="GPU proxy: simulated device µs per token of a forward")
+    parser.add_argument("--device-ms", type=float, default=0.0,
+                        help="asynchronous device proxy: each forward completes this many ms after its launch; "
+                             "reports step vs host vs device, lookahead off and on")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="the null server's config override")
     parser.add_argument("--skip-server", action="store_true")
     parser.add_argument("--json", type=Path, help="write the results here")
@@ -268,6 +359,11 @@ def main() -> None:
 
     result: dict[str, dict] = {"engine_ms_per_step": {}, "server_us_per_token": {}, "by_mode": {},
                                "settings": {k: str(v) for k, v in vars(args).items()}}
+    if args.device_ms > 0:
+        result.update(device_proxy(args))
+        if args.json:
+            args.json.write_text(json.dumps(result, indent=1))
+        return
     if args.step_ms > 0:
         result["gpu_proxy"] = gpu_proxy(args)
         if args.json:

@@ -206,22 +206,27 @@ class Backend(ABC):
         (the null backend's asynchronous mode) makes ``results()`` wait as a real device would."""
         return launch_sample(logits, rows)
 
-    def forward_ahead(self, token_ids: Any, positions: Sequence[int], sequence_ids: Sequence[str]) -> Any:
-        """Launch a decode step of one token per sequence whose ids are ``token_ids``, a device tensor
-        the host has not read (a ``sample()``'s ``token_ids``, one per sequence, in order), at
-        ``positions`` (each sequence's tokens in KV, as ``forward_batch`` checks). Returns every
-        sequence's logits, in order, as ``forward_batch`` does, without waiting for the device.
+    def forward_ahead(self, token_ids: Any, positions: Sequence[int], sequence_ids: Sequence[str], *,
+                      flat_ids: Sequence[int] = (), flat_positions: Sequence[int] = (),
+                      flat_sequence_ids: Sequence[str] = (), logits_for: Sequence[str] = ()) -> Any:
+        """Launch a step before the host has read the ids it runs on: one decode token per sequence of
+        ``sequence_ids`` whose ids are ``token_ids``, a device tensor (a ``sample()``'s ``token_ids``, in
+        order; None when there are none) at ``positions``, plus host tokens given as ``forward_batch``
+        takes them (``flat_*``: prompt chunks that join the step; other sequences). Returns, without
+        waiting for the device, one logits row per decode sequence, then one per ``logits_for`` sequence
+        (its last flat token), as ``forward_batch`` would.
 
-        The tokens' K/V is written at those positions, but the sequences do not hold them yet: only
-        ``confirm_ahead`` adds them (to the KV length and the prefix cache), once the host knows the
-        ids. A row the engine drops (its request ended, or was preempted or aborted meanwhile) is never
-        confirmed, so it is simply forgotten: its slot is rewritten by whatever comes next. The engine
-        reserves the room (``reserve``) first. Only where ``supports_lookahead``."""
+        Positions are checked as ``forward_batch`` checks them and the K/V is written there, but the
+        sequences do not hold these tokens yet: only ``confirm_ahead`` adds them (to the KV length and
+        the prefix cache), once the host knows the ids. A row the engine drops (its request ended, was
+        preempted or aborted meanwhile) is never confirmed, so it is simply forgotten: its slots are
+        rewritten by whatever comes next. The engine reserves the room (``reserve``) first. Only where
+        ``supports_lookahead``."""
         raise NotImplementedError(f"the {self.name} backend has no lookahead")
 
-    def confirm_ahead(self, sequence_ids: Sequence[str], token_ids: Sequence[int]) -> None:
-        """The host has read the ids a ``forward_ahead`` ran on: each named sequence now holds its
-        ``token_ids[i]`` at the position that step wrote (its KV length grows by one)."""
+    def confirm_ahead(self, sequence_ids: Sequence[str], token_ids: Sequence[Sequence[int]]) -> None:
+        """The host knows the tokens a ``forward_ahead`` ran: each named sequence now holds
+        ``token_ids[i]`` at the positions that step wrote (its KV length grows by their number)."""
         raise NotImplementedError(f"the {self.name} backend has no lookahead")
 
     def truncate(self, sequence_id: str, num_tokens: int) -> int:

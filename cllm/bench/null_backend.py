@@ -21,8 +21,8 @@ the sampled ids). It makes a CPU-only proxy of a GPU server: the engine's Python
 loop then compete for the GIL around each wait exactly as they do around a CUDA sync.
 
 ``device_ms`` instead simulates a device that runs *asynchronously*, as a GPU does: a forward is
-launched (queued to the device, a worker thread that takes each step ``device_ms`` plus ``token_us``
-per token, in order) and returns at once; the host waits only when it reads sampled ids
+launched onto a timeline where each step takes ``device_ms`` plus ``token_us`` per token, one after
+another (``SimulatedDevice``), and returns at once; the host waits only when it reads sampled ids
 (``sample(...).results()`` waits for every step launched before that sample, as ``.tolist()`` does
 for CUDA). Host work placed between a launch and that wait overlaps the device; host work placed
 after it does not. With ``device="torch"`` it also runs the engine's one-step lookahead
@@ -32,8 +32,6 @@ must give the same tokens: what the lookahead's tests compare.
 """
 from __future__ import annotations
 
-import queue
-import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -87,45 +85,35 @@ class WordTokenizer(Tokenizer):
 
 
 class SimulatedDevice:
-    """A device queue: launched steps run one after another on a worker thread, each sleeping its
-    duration (with the GIL released, as a GPU runs beside the host); ``wait(n)`` blocks until the
-    first ``n`` launched steps are done. At most ``depth`` steps wait in the queue (the host blocks in
-    ``launch`` beyond that, as a full CUDA launch queue blocks)."""
+    """A device's timeline: launched steps run one after another, each taking its duration from when the
+    device is free (so a step launched while another runs starts when that one ends); ``wait(n)`` sleeps
+    (GIL released) until step ``n`` is done. Nothing runs between: completion is a time, not a thread
+    that would need the GIL to finish (a GPU does not), so a busy host never delays the device."""
 
-    def __init__(self, depth: int = 8) -> None:
-        self._queue: queue.Queue[float | None] = queue.Queue(maxsize=depth)
-        self._done = 0
+    def __init__(self) -> None:
+        self._free_at = 0.0  # when the last launched step ends (perf_counter seconds)
+        self._done_at: dict[int, float] = {}  # launched, not yet waited for: number -> end time
         self.launched = 0
-        self.busy_s = 0.0  # seconds the device spent running steps
-        self._cond = threading.Condition()
-        self._thread = threading.Thread(target=self._work, name="cllm-null-device", daemon=True)
-        self._thread.start()
+        self.busy_s = 0.0  # seconds of device time launched
 
     def launch(self, seconds: float) -> int:
-        """Queue a step of ``seconds``; returns its number (for ``wait``)."""
+        """Launch a step of ``seconds``; returns its number (for ``wait``)."""
         self.launched += 1
-        self._queue.put(seconds)
+        self._free_at = max(time.perf_counter(), self._free_at) + seconds
+        self._done_at[self.launched] = self._free_at
+        self.busy_s += seconds
         return self.launched
 
     def wait(self, number: int) -> None:
-        with self._cond:
-            self._cond.wait_for(lambda: self._done >= number)
+        """Return once step ``number`` (and so every step before it) has run."""
+        done = self._done_at.get(number)
+        for n in [n for n in self._done_at if n <= number]:  # (at most a few are pending)
+            del self._done_at[n]
+        if done is not None and (left := done - time.perf_counter()) > 0:
+            time.sleep(left)
 
     def close(self) -> None:
-        self._queue.put(None)
-        self._thread.join(timeout=5)
-
-    def _work(self) -> None:
-        while True:
-            seconds = self._queue.get()
-            if seconds is None:
-                return
-            started = time.perf_counter()
-            time.sleep(seconds)
-            self.busy_s += time.perf_counter() - started
-            with self._cond:
-                self._done += 1
-                self._cond.notify_all()
+        self._done_at.clear()
 
 
 class _DeviceSample:
@@ -163,7 +151,8 @@ class NullBackend(Backend):
         # An asynchronous device (device_ms): forwards are launched onto it and waited for in sample().
         self._device = SimulatedDevice() if device_ms else None
         self._device_s = device_ms / 1000
-        self.overlaps_host_work = self._device is not None
+        # (a GPU's proxy: the scheduler treats it as one, e.g. no auto stall bound on prompt chunks)
+        self.overlaps_host_work = self.on_gpu = self._device is not None
         self.supports_lookahead = device == "torch"
         self._keyed = keyed
         self._step_s = step_ms / 1000
@@ -250,23 +239,38 @@ class NullBackend(Backend):
         """The table row of a sequence whose last token is ``token`` at ``position`` (keyed mode)."""
         return (token * 31 + position * 7) % len(self._table)
 
-    def forward_ahead(self, token_ids: Any, positions: Sequence[int], sequence_ids: Sequence[str]) -> Any:
-        """See :meth:`Backend.forward_ahead`: checked like a decode step, advancing nothing until confirmed."""
+    def forward_ahead(self, token_ids: Any, positions: Sequence[int], sequence_ids: Sequence[str], *,
+                      flat_ids: Sequence[int] = (), flat_positions: Sequence[int] = (),
+                      flat_sequence_ids: Sequence[str] = (), logits_for: Sequence[str] = ()) -> Any:
+        """See :meth:`Backend.forward_ahead`: checked like a step, advancing nothing until confirmed."""
         self.num_forwards += 1
-        for sid, pos in zip(sequence_ids, positions):
-            if self._computed.get(sid) != pos:
-                raise BackendError(f"sequence {sid!r}: a step ahead at position {pos}, but it holds "
-                                   f"{self._computed.get(sid)} tokens", [sid])
-            if self._held[sid] < pos + 1:
-                raise BackendError(f"sequence {sid!r}: no room reserved for position {pos}", [sid])
-        self._device_wait(len(sequence_ids))
-        if self._keyed:
-            return self._table.index_select(0, self._key(token_ids, _index(positions)))
-        return self._rows(len(sequence_ids))
+        computed, held = self._computed, self._held
+        counts: dict[str, int] = {}
+        for sid in flat_sequence_ids:
+            counts[sid] = counts.get(sid, 0) + 1
+        firsts: dict[str, int] = {}
+        for sid, pos in zip(flat_sequence_ids, flat_positions):
+            firsts.setdefault(sid, pos)
+        for sid, pos, n in [(s, p, 1) for s, p in zip(sequence_ids, positions)] + [(s, firsts[s], n) for s, n in counts.items()]:
+            if computed.get(sid) != pos:
+                raise BackendError(f"sequence {sid!r}: a step ahead at position {pos}, but it holds {computed.get(sid)} tokens", [sid])
+            if held[sid] < pos + n:
+                raise BackendError(f"sequence {sid!r}: no room reserved for positions {pos}..{pos + n - 1}", [sid])
+        self._device_wait(len(sequence_ids) + len(flat_ids))
+        parts = []
+        if len(sequence_ids):
+            parts.append(self._table.index_select(0, self._key(token_ids, _index(positions))) if self._keyed
+                         else self._rows(len(sequence_ids)))
+        if logits_for:
+            parts.append(self._keyed_rows(flat_ids, flat_positions, flat_sequence_ids, logits_for, ()) if self._keyed
+                         else self._rows(len(logits_for)))
+        if not parts:
+            return self._table[:0]
+        return parts[0] if len(parts) == 1 else _cat(parts)
 
-    def confirm_ahead(self, sequence_ids: Sequence[str], token_ids: Sequence[int]) -> None:
-        for sid in sequence_ids:
-            self._computed[sid] += 1
+    def confirm_ahead(self, sequence_ids: Sequence[str], token_ids: Sequence[Sequence[int]]) -> None:
+        for sid, tokens in zip(sequence_ids, token_ids):
+            self._computed[sid] += len(tokens)
 
     def sample(self, logits: Any, rows: Sequence[SamplingRow]) -> Any:
         launched = launch_sample(logits, rows)
@@ -295,6 +299,12 @@ class NullBackend(Backend):
     def close(self) -> None:
         if self._device is not None:
             self._device.close()
+
+
+def _cat(parts: list[Any]) -> Any:
+    import torch
+
+    return torch.cat(parts)
 
 
 def _index(values: Sequence[int]) -> Any:

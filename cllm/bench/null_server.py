@@ -3,7 +3,7 @@ pass that costs nothing. Used by benchmarks/engine_overhead.py and by tests that
 faster than any socket (stalled readers).
 
     python -m cllm.bench.null_server --port 8123 --slots 256 --vocab 1024 [--device numpy|torch] [--word-bytes N]
-                                     [--step-ms MS [--token-us US]] [--set KEY=VALUE ...]
+                                     [--step-ms MS | --device-ms MS] [--token-us US] [--set KEY=VALUE ...]
 """
 from __future__ import annotations
 
@@ -28,6 +28,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--step-ms", type=float, default=0.0,
                         help="simulated device time of each forward, GIL released (a GPU server's proxy; see NullBackend)")
     parser.add_argument("--token-us", type=float, default=0.0, help="simulated device time per token of each forward")
+    parser.add_argument("--device-ms", type=float, default=0.0,
+                        help="an asynchronous simulated device: each forward completes this long after its launch")
     parser.add_argument("--sndbuf", type=int, default=0,
                         help="kernel send buffer of each connection, bytes (0: the kernel's autotuned default); small "
                              "makes a client that stops reading block the server's writes at once")
@@ -39,8 +41,15 @@ def main(argv: list[str] | None = None) -> None:
         key, _, value = item.partition("=")
         overrides[key] = value
     config = load_config(None, environ={}, **overrides)
+    if args.device == "torch":
+        # The torch sampler's math stands for device work: one thread, not OpenMP workers spinning on the
+        # cores the event loop and the clients need (2 threads made a 64-row argmax cost ~1 ms here).
+        import torch
+
+        torch.set_num_threads(1)
     backend = functools.partial(NullBackend, slots=args.slots, vocab_size=args.vocab, device=args.device,
-                                word_bytes=args.word_bytes, step_ms=args.step_ms, token_us=args.token_us)
+                                word_bytes=args.word_bytes, step_ms=args.step_ms, token_us=args.token_us,
+                                device_ms=args.device_ms)
     # server.engine_process=on runs it as the engine core of a GPU server does (auto is off: not torch on CUDA)
     engine = ProcessEngine(config, backend) if wants_engine_process(config) else AsyncLLM(backend=backend(), config=config)
     configure_logging(config.server.log_level)

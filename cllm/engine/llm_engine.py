@@ -43,11 +43,12 @@ GC_GEN0_THRESHOLD = 5000  # allocations between young-generation collections whi
 
 @dataclass(slots=True)
 class _Ahead:
-    """A decode step launched before the host read the ids it runs on (the one-step lookahead)."""
+    """A step launched before the host read the ids it runs on (the one-step lookahead): one decode row
+    per sequence on the ids the device sampled, plus chunks of host tokens (prompts) that joined it."""
 
-    requests: list[Request]  # one row each, in the logits' order
-    positions: list[int]  # the position each row's token was written at
-    logits: object  # their logits, on the device
+    chunks: list[ScheduledChunk]  # what it computed, the decodes first (each as the next step would schedule it)
+    rows: list[int | None]  # each chunk's row in the logits (None: a prompt chunk short of its last token)
+    logits: object  # on the device
 
 
 @dataclass(slots=True)
@@ -97,6 +98,7 @@ class LLMEngine:
         self._ready: list[RequestOutput] = []
         self.lookahead = _lookahead_on(config, self.backend, self.speculator is not None)
         self._ahead: _Ahead | None = None  # the step launched ahead, if any (lookahead)
+        self._put_off: set[str] = set()  # requests whose chunk the last step put off to the next launch
         self.ahead_rows = self.ahead_used = 0  # rows launched ahead, and of those, rows a step used (stats)
 
     # ------------------------------------------------------------- requests
@@ -343,12 +345,19 @@ class LLMEngine:
         self._ready += self._collect(list(groups.values()))
 
     def _run(self, out: SchedulerOutput, touched: dict[str, RequestGroup]) -> None:
+        ahead, self._ahead = self._ahead, None
+        covered, later = self._reconcile(out, ahead)
+        if not out.chunks:  # all put off (what was launched ahead ended): they go in the next launch now
+            self._launch_ahead([], None, later)
+            if self._defer_text:
+                self._flush_text()
+            return
         sampled_reqs = [c.request for c in out.chunks if c.sample and not c.draft]
         # The grammar masks of this step's constrained rows are filled while the forward pass runs.
         mask = self.structured.start_fill(sampled_reqs)
         started = time.perf_counter()
         try:
-            logits, verify = self._forward_step(out.chunks)
+            logits, verify = self._forward_step(out.chunks, ahead, covered)
             self.scheduler.observe_step(out.num_tokens, time.perf_counter() - started, len(out.chunks))
         except KVCacheFullError as err:
             if self.scheduler.preempt_for_kv(err.sequence_ids) is None:
@@ -367,73 +376,118 @@ class LLMEngine:
             n_prompt = len(c.request.prompt_token_ids)
             if c.start < n_prompt and not c.request.status.is_finished:
                 self._prompt_tokens += min(c.start + c.num_tokens, n_prompt) - c.start
-        self._sample_and_update(out, sampled_reqs, logits, touched, mask, verify)
+        self._sample_and_update(out, sampled_reqs, logits, touched, mask, verify, later)
         if self.speculator is not None and all(c.num_tokens == 1 + len(c.draft) for c in out.chunks):
             # A decode step's cost by its size (every token has a logits row: the rows drafts add), its
             # sampling and verification included (on CUDA the host waits for the device there).
             self.speculator.observe_step(out.chunks, time.perf_counter() - started)
 
-    def _forward_step(self, chunks: list[ScheduledChunk]) -> tuple[np.ndarray, list[tuple[ScheduledChunk, np.ndarray]]]:
-        """:meth:`_forward`, taking what the lookahead already launched: a decode chunk whose request and
-        position match a row launched ahead uses that row's logits (the row is confirmed to the backend:
-        the host now knows its token); every other chunk (admissions, prompt chunks, rows the lookahead
-        skipped) runs in a forward now, and rows launched for requests that ended, were preempted or
-        aborted are dropped (never confirmed, so never in the KV length or the prefix cache). If that
-        forward fails, nothing is confirmed: the caller's fallbacks rerun the whole step as usual."""
-        ahead, self._ahead = self._ahead, None
+    def _reconcile(self, out: SchedulerOutput, ahead: _Ahead | None) -> tuple[dict[int, int | None], list[ScheduledChunk]]:
+        """Match the step the scheduler just made against the one launched ahead. Returns the chunks it
+        computed already (chunk index -> its logits row, None for a prompt chunk that samples nothing),
+        and the chunks put off to the next launch: while a step launched ahead runs, this step's other
+        chunks (admissions' prompts, decodes the lookahead skipped) join the next one, launched after
+        this step's sampling, instead of costing a forward of their own; they are taken out of ``out``
+        (the scheduler schedules them again, unchanged, next step). A chunk put off once is never put off
+        again (so a prompt whose chunk size changes between steps still progresses), and neither are
+        chunks that need every logits row (drafts, scored prompts). Rows launched for requests that ended,
+        were preempted or aborted since are dropped: never confirmed, never in the KV length or the
+        prefix cache."""
         if ahead is None:
+            return {}, []
+        launched = {c.request.request_id: (c, row) for c, row in zip(ahead.chunks, ahead.rows)}
+        covered: dict[int, int | None] = {}
+        later: list[ScheduledChunk] = []
+        kept: list[ScheduledChunk] = []
+        put_off_before, self._put_off = self._put_off, set()
+        for c in out.chunks:
+            hit = launched.get(c.request.request_id)
+            if hit is not None and hit[0].request is c.request and hit[0].start == c.start \
+                    and hit[0].num_tokens == c.num_tokens and not c.draft:
+                covered[len(kept)] = hit[1]
+                kept.append(c)
+            elif (self.lookahead and not c.draft and not c.request.needs_prompt_logits
+                  and c.request.request_id not in put_off_before):
+                later.append(c)
+                self._put_off.add(c.request.request_id)
+            else:
+                kept.append(c)
+        if later:
+            out.chunks = kept
+            out.num_tokens = sum(c.num_tokens for c in kept)
+        return covered, later
+
+    def _forward_step(self, chunks: list[ScheduledChunk], ahead: _Ahead | None, covered: dict[int, int | None]
+                      ) -> tuple[np.ndarray, list[tuple[ScheduledChunk, np.ndarray]]]:
+        """:meth:`_forward`, taking what the lookahead already computed (``covered``, see
+        :meth:`_reconcile`): those chunks are confirmed to the backend (the host knows their tokens now)
+        and give their logits rows; the rest run in a forward now. If that forward fails, nothing is
+        confirmed: the caller's fallbacks rerun the whole step as usual."""
+        if ahead is None or not covered:
             return self._forward(chunks)
-        row_of = {r.request_id: i for i, r in enumerate(ahead.requests)}
-        covered: dict[int, int] = {}  # chunk index -> ahead row
-        for ci, c in enumerate(chunks):
-            row = row_of.get(c.request.request_id)
-            if (row is not None and ahead.requests[row] is c.request and c.num_tokens == 1 and not c.draft
-                    and c.sample and c.start == ahead.positions[row]):
-                covered[ci] = row
         rest = [c for ci, c in enumerate(chunks) if ci not in covered]
         logits, verify = self._forward(rest) if rest else (None, [])
-        if covered:
-            kept = [chunks[ci].request for ci in covered]
-            self.backend.confirm_ahead([r.request_id for r in kept], [r.token_at(c.start) for r, c in
-                                                                      zip(kept, (chunks[ci] for ci in covered))])
-            self.ahead_used += len(covered)
-        if not rest and len(covered) == len(ahead.requests) and list(covered.values()) == list(range(len(covered))):
-            return ahead.logits, []  # the step is exactly what was launched (the steady state)
+        confirmed = [chunks[ci] for ci in covered]
+        self.backend.confirm_ahead([c.request.request_id for c in confirmed],
+                                   [c.request.tokens_between(c.start, c.start + c.num_tokens) for c in confirmed])
+        self.ahead_used += len(covered)
         index: list[int] = []
-        offset, taken = len(ahead.requests), 0
+        offset, taken = sum(r is not None for r in ahead.rows), 0
         for ci, c in enumerate(chunks):
+            if not c.sample or c.draft:
+                continue
             if ci in covered:
-                index.append(covered[ci])
-            elif c.sample and not c.draft:
+                index.append(covered[ci])  # type: ignore[arg-type]
+            else:
                 index.append(offset + taken)
                 taken += 1
-        parts = [ahead.logits] if logits is None or not taken else [ahead.logits, logits]
+        if not taken and index == list(range(offset)):
+            return ahead.logits, verify  # the step is exactly what was launched (the steady state)
+        parts = [ahead.logits] if not taken else [ahead.logits, logits]
         return take_rows(parts, index), verify
 
-    def _launch_ahead(self, reqs: list[Request], sample: object) -> None:
-        """The lookahead: launch the next decode step of the requests just sampled, on the ids the device
-        chose (``sample.token_ids``), before the host reads them. Rows are skipped for requests that this
-        token ends for sure (max_tokens), that score their prompt, or whose KV room cannot grow; a
-        failure to launch only means the next step runs as today's do."""
+    def _launch_ahead(self, reqs: list[Request], sample: object | None, later: list[ScheduledChunk]) -> None:
+        """The lookahead: launch the next step before the host reads this one's sampled ids: a decode row
+        for each request just sampled, on the ids the device chose (``sample.token_ids``), plus the chunks
+        put off from this step (host tokens). Decode rows are skipped for requests that this token ends
+        for sure (max_tokens), that score their prompt, or whose KV room cannot grow; a failure to
+        launch only means the next step runs as today's do."""
         rows: list[int] = []
-        chosen: list[Request] = []
+        decodes: list[ScheduledChunk] = []
         for i, req in enumerate(reqs):
             if (req.status is not RequestStatus.RUNNING or req.needs_prompt_logits
                     or len(req.output_token_ids) + 1 >= req.max_tokens
                     or not self.backend.reserve(req.request_id, req.num_tokens + 1)):
                 continue
             rows.append(i)
-            chosen.append(req)
-        if not chosen:
+            # (the sampled token is not appended yet: it goes at num_tokens)
+            decodes.append(ScheduledChunk(req, req.num_tokens, 1, True))
+        if not decodes and not later:
             return
-        ids = sample.token_ids if len(rows) == len(reqs) else take_rows([sample.token_ids], rows)  # type: ignore[attr-defined]
-        positions = [r.num_tokens for r in chosen]  # (the sampled token is not appended yet)
+        ids = None
+        if decodes:
+            ids = sample.token_ids if len(rows) == len(reqs) else take_rows([sample.token_ids], rows)  # type: ignore[union-attr]
+        flat: list[int] = []
+        pos: list[int] = []
+        seqs: list[str] = []
+        for c in later:
+            flat += c.request.tokens_between(c.start, c.start + c.num_tokens)
+            pos += range(c.start, c.start + c.num_tokens)
+            seqs += [c.request.request_id] * c.num_tokens
+        sampling = [c.request.request_id for c in later if c.sample]
         try:
-            logits = self.backend.forward_ahead(ids, positions, [r.request_id for r in chosen])
+            logits = self.backend.forward_ahead(ids, [c.start for c in decodes], [c.request.request_id for c in decodes],
+                                                flat_ids=flat, flat_positions=pos, flat_sequence_ids=seqs,
+                                                logits_for=sampling)
         except (BackendError, KVCacheFullError):
-            return  # the next step runs these rows itself (and reports what fails there)
-        self._ahead = _Ahead(chosen, positions, logits)
-        self.ahead_rows += len(chosen)
+            return  # the next step runs these itself (and reports what fails there)
+        row_of_later: list[int | None] = []
+        n = len(decodes)
+        for c in later:
+            row_of_later.append(n if c.sample else None)
+            n += c.sample
+        self._ahead = _Ahead(decodes + later, list(range(len(decodes))) + row_of_later, logits)
+        self.ahead_rows += len(decodes) + len(later)
 
     def _forward(self, chunks: list[ScheduledChunk]) -> tuple[np.ndarray, list[tuple[ScheduledChunk, np.ndarray]]]:
         """The step's forward pass: the logits rows of the chunks that sample (no draft), and for each
@@ -490,17 +544,18 @@ class LLMEngine:
 
     def _sample_and_update(self, out: SchedulerOutput, reqs: list[Request], logits: np.ndarray,
                            touched: dict[str, RequestGroup], mask: PendingMask | None = None,
-                           verify: Sequence[tuple[ScheduledChunk, np.ndarray]] = ()) -> None:
+                           verify: Sequence[tuple[ScheduledChunk, np.ndarray]] = (),
+                           later: list[ScheduledChunk] | None = None) -> None:
         structured = self.structured if self.structured.active else None
         if mask is not None:
             self.structured.apply(logits, [r.request_id for r in reqs], mask)
         kept = self._rows
         rows = [kept[r.request_id] for r in reqs]
         sampled = []
-        if reqs:
-            launched = self.backend.sample(logits, rows)
-            if self.lookahead:
-                self._launch_ahead(reqs, launched)
+        launched = self.backend.sample(logits, rows) if reqs else None
+        if self.lookahead:
+            self._launch_ahead(reqs if launched is not None else [], launched, later or [])
+        if launched is not None:
             sampled = launched.results()  # (the host waits for the device here)
         by_id = {r.request_id: s for r, s in zip(reqs, sampled)}
         now = time.monotonic()

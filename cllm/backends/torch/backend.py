@@ -329,25 +329,40 @@ class TorchBackend(Backend):
             self.blocks.record_computed_of(c.blocks, c.start_pos, flat[c.row_start : c.row_end])
         return logits
 
-    def forward_ahead(self, token_ids: torch.Tensor, positions: Sequence[int], sequence_ids: Sequence[str]) -> torch.Tensor:
-        """See :meth:`Backend.forward_ahead`: a decode step (a graph replay where one fits) whose ids are
-        copied on the device from the sampler's output; nothing is recorded until ``confirm_ahead``."""
-        pos = np.asarray(positions, dtype=np.int64)
-        if len(set(sequence_ids)) != len(pos) or token_ids.shape != (len(pos),):
-            raise ValueError(f"forward_ahead takes one token per sequence (got {tuple(token_ids.shape)} ids, "
-                             f"{len(pos)} positions, {len(set(sequence_ids))} distinct sequences)")
-        chunks = self._split(pos, pos, sequence_ids)
+    def forward_ahead(self, token_ids: torch.Tensor | None, positions: Sequence[int], sequence_ids: Sequence[str], *,
+                      flat_ids: Sequence[int] = (), flat_positions: Sequence[int] = (),
+                      flat_sequence_ids: Sequence[str] = (), logits_for: Sequence[str] = ()) -> torch.Tensor:
+        """See :meth:`Backend.forward_ahead`: one step (a graph replay where it is a pure decode that fits,
+        else as a mixed step is run) whose decode ids are copied on the device from the sampler's output;
+        nothing is recorded until ``confirm_ahead``."""
+        n = len(positions)
+        if len(set(sequence_ids)) != n or (token_ids.shape if n else (0,)) != (n,):  # type: ignore[union-attr]
+            raise ValueError(f"forward_ahead takes one token per decode sequence (got {len(sequence_ids)} sequences, "
+                             f"{n} positions, ids of shape {None if token_ids is None else tuple(token_ids.shape)})")
+        if set(sequence_ids) & set(flat_sequence_ids):
+            raise ValueError("a sequence is either a decode row or a host chunk of a step launched ahead, not both")
+        pos = np.asarray(list(positions) + list(flat_positions), dtype=np.int64)
+        seqs = list(sequence_ids) + list(flat_sequence_ids)
+        chunks = self._split(pos, pos, seqs)
         self._ensure_room(chunks)
+        host = np.asarray(flat_ids, dtype=np.int64)
+        if not n:
+            ids: np.ndarray | torch.Tensor = host
+        elif not len(host):
+            ids = token_ids  # type: ignore[assignment]
+        else:
+            ids = torch.cat([token_ids.to(self.device), self._to_device(host)])  # type: ignore[union-attr]
+        rows = list(range(n)) + self._logit_rows(chunks, list(logits_for)) if logits_for else list(range(n))
         try:
-            return self._run(token_ids, pos, chunks, list(range(len(chunks))))
+            return self._run(ids, pos, chunks, rows)
         except Exception as err:
             raise BackendError(f"torch forward failed: {type(err).__name__}: {err}", [c.seq_id for c in chunks]) from err
 
-    def confirm_ahead(self, sequence_ids: Sequence[str], token_ids: Sequence[int]) -> None:
+    def confirm_ahead(self, sequence_ids: Sequence[str], token_ids: Sequence[Sequence[int]]) -> None:
         blocks = self.blocks
-        for seq_id, token in zip(sequence_ids, token_ids):
+        for seq_id, tokens in zip(sequence_ids, token_ids):
             seq = blocks.sequence(seq_id)
-            blocks.record_computed_of(seq, seq.num_computed, (token,))
+            blocks.record_computed_of(seq, seq.num_computed, tokens)
 
     def _split(self, ids: np.ndarray, pos: np.ndarray, sequence_ids: Sequence[str]) -> list[StepChunk]:
         """Contiguous per-sequence runs, checked against each sequence's KV state."""
