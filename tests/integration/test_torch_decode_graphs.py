@@ -164,3 +164,58 @@ def test_mixed_steps_run_decodes_and_tails_through_the_graphs_and_keep_every_row
         keep = torch.ones(a.shape[2], dtype=torch.bool)
         keep[split._scratch_block] = False
         np.testing.assert_allclose(a[:, :, keep].numpy(), b[:, :, keep].numpy(), atol=1e-4, rtol=0)
+
+
+def test_the_persistent_batch_rewrites_only_rows_whose_table_changed(backend: TorchBackend, monkeypatch) -> None:
+    """The buckets' host mirror after each step equals a fresh rebuild of every input, while only rows that
+    hold another sequence, or whose sequence reached a new block, have their mask rows rebuilt."""
+    from cllm.backends.torch import cuda_graphs
+
+    rebuilt: list[int] = []
+    original = cuda_graphs.decode_mask_arrays
+    monkeypatch.setattr(cuda_graphs, "decode_mask_arrays", lambda lens, tables, cache, **kw: (
+        rebuilt.append(len(lens)), original(lens, tables, cache, **kw))[1])
+    graphs = DecodeGraphs(backend.model, backend.kv, buckets=graph_buckets(8), scratch_block=backend._scratch_block,
+                          flex_fn=backend._flex_fn, capture=False, q_per_kv=2)
+    a, b, c = [10, 11], [12, 13, 14], [15]  # block tables (BLOCK = 4 tokens each)
+
+    def step(rows: list[tuple[list[int], int]]) -> int:
+        rebuilt.clear()
+        chunks = [SeqChunk(i, 1, pos, table) for i, (table, pos) in enumerate(rows)]
+        ids = np.arange(len(rows), dtype=np.int64) + 7
+        size = bucket_for(len(rows), graphs.buckets)
+        padded_ids, padded = pad_decode(ids, chunks, size, backend._scratch_block)
+        bucket = graphs._bucket(size)
+        rebuilt.clear()  # (building the bucket rebuilds its idle rows once)
+        graphs._fill(bucket, padded_ids, padded)
+        changed = sum(rebuilt)
+        for name, values in graphs._arrays(padded_ids, padded).items():
+            np.testing.assert_array_equal(bucket.inputs.host[name], values, err_msg=name)
+        return changed
+
+    assert step([(a, 5), (b, 9), (c, 2)]) == 4  # first use of bucket 4: every row (3 + 1 padding)
+    assert step([(a, 6), (b, 10), (c, 3)]) == 0  # each sequence one further, no new block: no table rebuilt
+    c.append(16)
+    assert step([(a, 7), (b, 11), (c, 4)]) == 1  # c reached its second block
+    assert step([(b, 11), (a, 7), (c, 4)]) == 2  # two rows changed hands
+    a = list(a)  # a table replaced (a sequence cut back): its row is rewritten even with equal contents
+    assert step([(b, 11), (a, 7), (c, 4)]) == 1
+    assert step([(b, 11), (a, 7)]) == 2  # bucket 2 first used: both rows
+
+
+def test_a_step_launched_ahead_takes_its_ids_on_the_device(backend: TorchBackend) -> None:
+    """The lookahead's decode step (ids a device tensor, copied into the graph's ids buffer after the host's
+    inputs) computes exactly what the same step with host ids does."""
+    rng = np.random.default_rng(5)
+    for seq, n in (("x", 6), ("y", 10)):
+        tokens = rng.integers(0, 300, size=n).tolist()
+        assert backend.admit(seq, tokens) is not None and backend.reserve(seq, n + 1)
+        backend.forward_batch(tokens, list(range(n)), [seq] * n)
+    chunks = [SeqChunk(i, 1, n, backend.blocks.sequence(seq).block_ids) for i, (seq, n) in enumerate((("x", 6), ("y", 10)))]
+    graphs = DecodeGraphs(backend.model, backend.kv, buckets=graph_buckets(8), scratch_block=backend._scratch_block,
+                          flex_fn=backend._flex_fn, capture=False, q_per_kv=2)
+    ids = np.array([17, 42], dtype=np.int64)
+    with torch.inference_mode():
+        on_host = graphs.run(ids, chunks).clone()
+        on_device = graphs.run(torch.from_numpy(ids), chunks).clone()
+    np.testing.assert_array_equal(on_device.numpy(), on_host.numpy())

@@ -13,7 +13,17 @@ shapes and fixed tensor addresses, so:
   batch: float rounding, tested with a tolerance);
 - per bucket, every input (token ids, positions, KV write rows, the
   FlexAttention paged-mask tensors) lives in a static buffer; a step copies
-  its values in and replays.
+  its values in and replays;
+- the buffers are a *persistent batch*: their host mirror keeps each row's
+  block table from the last step, and a step rewrites a row's table only
+  when the row now holds another sequence or its sequence reached a new
+  block (a sequence keeps its row while the batch's order holds, which the
+  scheduler's decode order does); positions, write rows and ids are per-row
+  vectors written whole. At 256 decoding sequences that turns the tables'
+  rebuild (one scatter over every block of every row, plus a per-row lookup
+  on CPU) into a few rows' worth. One asynchronous copy per dtype then
+  uploads the mirror; a step launched ahead (the lookahead) copies its ids
+  device to device after it.
 
 Only FlexAttention decode is captured (its block mask is made of fixed-shape
 tensors; the SDPA path's gather is sized by the longest context). The
@@ -23,7 +33,7 @@ capture (``capture=False``), which is how they are tested here.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -49,6 +59,12 @@ def bucket_for(n: int, buckets: Sequence[int]) -> int | None:
         if b >= n:
             return b
     return None
+
+
+def _same_table(held: Sequence[int] | None, table: Sequence[int]) -> bool:
+    """Whether a row's block table is the one the mirror holds: the same list (a sequence's tables only
+    grow at the end, or are replaced when cut) or an equal tuple (padding rows)."""
+    return held is table or (isinstance(table, tuple) and held == table)
 
 
 def pad_decode(ids: np.ndarray, chunks: Sequence[SeqChunk], bucket: int, scratch_block: int) -> tuple[np.ndarray, list[SeqChunk]]:
@@ -87,10 +103,19 @@ class StagedInputs:
         self.fill(first)
 
     def fill(self, arrays: dict[str, np.ndarray]) -> None:
-        if self._copied is not None:
-            self._copied.synchronize()  # the host buffer is free once the last copy ran (normally long since)
+        host = self.writable()
         for name, array in arrays.items():
-            self.host[name][...] = array
+            host[name][...] = array
+        self.upload()
+
+    def writable(self) -> dict[str, np.ndarray]:
+        """The host mirror, once the last upload has read it (normally long since)."""
+        if self._copied is not None:
+            self._copied.synchronize()
+        return self.host
+
+    def upload(self) -> None:
+        """Copy the host mirror to the device buffers, asynchronously (one copy per dtype)."""
         for dev, host in self._pairs:
             dev.copy_(host, non_blocking=True)
         if self._copied is not None:
@@ -106,6 +131,9 @@ class _Bucket:
     logit_rows: torch.Tensor  # arange(b)
     logits: torch.Tensor | None = None  # output buffer of the captured graph
     graph: torch.cuda.CUDAGraph | None = None  # None = run eagerly over the buffers (CPU, tests)
+    # per row: the block table (the sequence's own list, or a padding tuple) and how many of its blocks
+    # the mirror's mask arrays list (the persistent batch: see the module docstring)
+    tables: list[tuple[Sequence[int] | None, int]] = field(default_factory=list)
 
 
 class DecodeGraphs:
@@ -156,7 +184,30 @@ class DecodeGraphs:
                 **decode_mask_arrays([c.start_pos + 1 for c in chunks], [c.block_ids for c in chunks], cache)}
 
     def _fill(self, bucket: _Bucket, ids: np.ndarray, chunks: Sequence[SeqChunk]) -> None:
-        bucket.inputs.fill(self._arrays(ids, chunks))
+        """Update the bucket's host mirror for this step (rows whose table changed are rewritten, see the
+        module docstring) and upload it."""
+        cache = self._cache
+        bs = cache.shape.block_size
+        host = bucket.inputs.writable()
+        pos = np.fromiter((c.start_pos for c in chunks), dtype=np.int64, count=len(chunks))
+        blocks = -(-(pos + 1) // bs)
+        host["ids"][...] = ids
+        host["positions"][...] = pos
+        host["write_rows"][...] = cache.write_rows(slot_mapping(chunks, bs))
+        host["base"][...] = pos
+        tables = bucket.tables
+        if len(tables) != len(chunks):
+            tables[:] = [(None, 0)] * len(chunks)
+        changed = [i for i, (c, (table, held)) in enumerate(zip(chunks, tables))
+                   if held != blocks[i] or not _same_table(table, c.block_ids)]
+        if changed:
+            rows = decode_mask_arrays((pos[changed] + 1).tolist(), [chunks[i].block_ids for i in changed], cache)
+            for name, values in rows.items():
+                if name != "base":
+                    host[name][changed] = values
+            for i in changed:
+                tables[i] = (chunks[i].block_ids, int(blocks[i]))
+        bucket.inputs.upload()
 
     def _step(self, bucket: _Bucket) -> torch.Tensor:
         t = bucket.inputs.device
