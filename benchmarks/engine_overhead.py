@@ -78,7 +78,15 @@ CLK_TCK = os.sysconf("SC_CLK_TCK")
 def engine_ms_per_step(batch: int, mode: str, args: argparse.Namespace) -> float:
     """The engine thread's CPU ms per decode step with ``batch`` sequences running."""
     backend = NullBackend(slots=batch, vocab_size=args.vocab, device=args.device)
-    config = load_config(None, environ={}, n_seq_max=batch, max_waiting=4096)
+    return timed_decode_steps(backend, batch, mode, args)["host_ms"]
+
+
+def timed_decode_steps(backend: NullBackend, batch: int, mode: str, args: argparse.Namespace,
+                       **settings: object) -> dict[str, float]:
+    """Wall ms and the engine thread's CPU ms per decode step with ``batch`` sequences running, after
+    their prompts: the medians over ``--repeats`` runs of ``--steps`` steps (this VM's neighbours move
+    single runs by 10 %)."""
+    config = load_config(None, environ={}, n_seq_max=batch, max_waiting=4096, **settings)
     engine = LLMEngine(config, backend=backend)
     params = cllm.SamplingParams(max_tokens=args.repeats * args.steps + 64, ignore_eos=True, **MODES[mode])
     for i in range(batch):
@@ -88,14 +96,15 @@ def engine_ms_per_step(batch: int, mode: str, args: argparse.Namespace) -> float
         engine.step()
     for _ in range(8):  # warm
         engine.step()
-    runs = []
-    for _ in range(args.repeats):  # the median of a few runs: this VM's neighbours move single runs by 10 %
-        t0 = time.thread_time()
+    walls, hosts = [], []
+    for _ in range(args.repeats):
+        w0, h0 = time.perf_counter(), time.thread_time()
         for _ in range(args.steps):
             engine.step()
-        runs.append(1000 * (time.thread_time() - t0) / args.steps)
+        walls.append(1000 * (time.perf_counter() - w0) / args.steps)
+        hosts.append(1000 * (time.thread_time() - h0) / args.steps)
     engine.close()
-    return statistics.median(runs)
+    return {"step_ms": statistics.median(walls), "host_ms": statistics.median(hosts)}
 
 
 # ------------------------------------------------------------------------------------------ server
@@ -192,6 +201,12 @@ def server_us_per_token(port: int, pid: int, batch: int, mode: str, args: argpar
     return split
 
 
+def _cpu_text(served: dict[str, float]) -> str:
+    """The server's CPU per streamed token, by thread, as the reports print it."""
+    return (f"server CPU {served['total']:.1f} µs/token: engine thread {served.get('engine', 0):.1f}, event loop "
+            f"{served.get('event_loop', 0):.1f}, engine process {served.get('engine_core', 0):.1f}")
+
+
 def _rounds(batch: int, args: argparse.Namespace) -> int:
     """Requests each closed-loop stream sends: ``--rounds``, else enough tokens for the CPU clock's 10 ms ticks."""
     return args.rounds or max(1, -(-args.min_tokens // (batch * args.tokens)))
@@ -199,29 +214,10 @@ def _rounds(batch: int, args: argparse.Namespace) -> int:
 
 # -------------------------------------------------------------- asynchronous device proxy (--device-ms)
 def proxy_engine_step(batch: int, mode: str, lookahead: str, args: argparse.Namespace) -> dict[str, float]:
-    """Wall ms and the engine thread's CPU ms per decode step with ``batch`` sequences running on the
-    asynchronous simulated device (the median over ``--repeats`` runs of ``--steps`` steps)."""
+    """:func:`timed_decode_steps` on the asynchronous simulated device."""
     backend = NullBackend(slots=batch, vocab_size=args.vocab, device="torch", device_ms=args.device_ms,
                           token_us=args.token_us)
-    config = load_config(None, environ={}, n_seq_max=batch, max_waiting=4096, lookahead=lookahead)
-    engine = LLMEngine(config, backend=backend)
-    params = cllm.SamplingParams(max_tokens=args.repeats * args.steps + 64, ignore_eos=True, **MODES[mode])
-    for i in range(batch):
-        engine.add_request([300 + (i + j) % 500 for j in range(args.prompt_len)], params)
-    while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.requests.values()) \
-            or engine.scheduler.num_waiting:
-        engine.step()
-    for _ in range(8):  # warm
-        engine.step()
-    walls, hosts = [], []
-    for _ in range(args.repeats):
-        w0, h0 = time.perf_counter(), time.thread_time()
-        for _ in range(args.steps):
-            engine.step()
-        walls.append(1000 * (time.perf_counter() - w0) / args.steps)
-        hosts.append(1000 * (time.thread_time() - h0) / args.steps)
-    engine.close()
-    return {"step_ms": statistics.median(walls), "host_ms": statistics.median(hosts)}
+    return timed_decode_steps(backend, batch, mode, args, lookahead=lookahead)
 
 
 def device_proxy(args: argparse.Namespace) -> dict[str, dict]:
@@ -257,9 +253,7 @@ def device_proxy(args: argparse.Namespace) -> dict[str, dict]:
                     "clients_us": round(served["clients"], 1),
                     "machine_cores_busy": round((served["total"] + served["clients"]) * served["tok_s"] / 1e6, 2)}
                 print(f"served B={b:<4d} lookahead {lookahead:3s}  {served['tok_s']:9,.0f} tok/s  = "
-                      f"{served['tok_s'] / bound:.3f} x 1000 x B / max(host, device)  (server CPU "
-                      f"{served['total']:.1f} µs/token: engine thread {served.get('engine', 0):.1f}, event loop "
-                      f"{served.get('event_loop', 0):.1f}, engine process {served.get('engine_core', 0):.1f}; clients "
+                      f"{served['tok_s'] / bound:.3f} x 1000 x B / max(host, device)  ({_cpu_text(served)}; clients "
                       f"{served['clients']:.1f} µs/token; {out['served'][f'{b}/lookahead_{lookahead}']['machine_cores_busy']:.2f} "
                       f"cores busy)", flush=True)
         finally:
@@ -303,9 +297,7 @@ def gpu_proxy(args: argparse.Namespace) -> dict[str, dict[str, float]]:
                            "engine_core_us": round(served.get("engine_core", 0), 1)}
             r = out[str(b)]
             print(f"proxy step {args.step_ms:g} ms  B={b:<4d} engine {r['engine_tok_s']:9,.0f} tok/s  served "
-                  f"{r['served_tok_s']:9,.0f} tok/s  = {100 * r['ratio']:.0f} %   (server CPU {r['server_us_per_token']:.1f} "
-                  f"µs/token: engine thread {r['engine_thread_us']:.1f}, event loop {r['event_loop_us']:.1f}, engine process "
-                  f"{r['engine_core_us']:.1f})", flush=True)
+                  f"{r['served_tok_s']:9,.0f} tok/s  = {100 * r['ratio']:.0f} %   ({_cpu_text(served)})", flush=True)
     finally:
         proc.terminate()
         proc.wait(timeout=30)
