@@ -33,6 +33,7 @@ class ModelConfig(_Section):
     n_threads: int | None = Field(None, ge=1, le=1024, description="CPU threads for inference; None = chosen at run time: llama_cpp uses one per physical core this process may run on (SMT siblings once, as llama.cpp's own default), at most what a cgroup CPU quota pays for (rounded down), fewer while other processes take the CPU (llama_cpp.adapt_threads); torch all usable cores")
     n_batch: int = Field(2048, ge=1, le=1 << 16, description="most tokens evaluated in one forward call (llama.cpp splits it into n_ubatch micro-batches); 2048 as llama-server, so a burst of prompts is prefilled in one step while nobody decodes")
     seed: int = Field(0, description="default sampling seed for requests that give none")
+    deterministic: bool = Field(False, description="batch-invariant inference: a request's greedy tokens and every logprob bitwise identical whatever else is batched with it, however its prompt is chunked or found in the prefix cache, with speculation on or off, streamed or not (and so seeded sampling too); embeddings identical wherever an input sits. llama_cpp: flash attention on, a bf16 KV cache in place of f16/f32 (ggml's row-independent attention path), one embedding input per decode; torch: fixed-shape matmuls and a fixed-split attention on CPU. What a backend or device cannot promise is said at start-up (docs/reproducibility.md)")
     chat_template: str | None = Field(None, description="a Jinja chat template used in place of the model's own: the path of a template file, or the template itself (vLLM's and llama-server's --chat-template); None = the model's (GGUF tokenizer.chat_template, or the HF directory's)")
 
 
@@ -259,6 +260,13 @@ class CllmConfig(_Section):
 
     @model_validator(mode="after")
     def _check_cross_section(self) -> CllmConfig:
+        if self.model.deterministic and self.model.backend == "llama_cpp":
+            if self.llama_cpp.kv_unified:
+                raise ValueError("deterministic: true needs llama_cpp.kv_unified: false (in a unified KV cache a "
+                                 "sequence's cells interleave with its batch-mates', and attention sums them in cell order)")
+            if self.llama_cpp.flash_attn is False:
+                raise ValueError("deterministic: true needs llama_cpp.flash_attn: true or auto (without flash attention "
+                                 "llama.cpp's attention matmuls span the whole KV view, whose length follows the batch)")
         budget = self.scheduler.max_num_batched_tokens
         if budget is not None and budget > self.model.n_batch:
             raise ValueError(

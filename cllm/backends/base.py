@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from cllm.backends.determinism import OFF, Determinism
 from cllm.sampling.dispatch import launch_sample
 from cllm.sampling.sampler import SamplingRow
 
@@ -121,6 +122,9 @@ class Backend(ABC):
     # True when the backend can launch a decode step on ids its device sampled and the host has not read
     # (forward_ahead / confirm_ahead): the engine's one-step lookahead (scheduler.lookahead).
     supports_lookahead: bool = False
+    # model.deterministic: what the backend changed to make results batch-invariant, and what it cannot
+    # promise here (the ready block and /v1/engine say it; docs/reproducibility.md)
+    determinism: Determinism = OFF
 
     @property
     @abstractmethod

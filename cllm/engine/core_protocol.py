@@ -72,6 +72,7 @@ class CoreReady:
     device_text: str  # 'torch on cuda:0, bfloat16' for the ready lines
     max_num_seqs: int  # sequences at once
     snapshot: Snapshot  # initial stats
+    determinism: Any = None  # the backend's Determinism (model.deterministic), for the ready lines and /v1/engine
 
 
 @dataclass(slots=True)

@@ -107,7 +107,8 @@ def _ready(engine: LLMEngine, config: CllmConfig) -> CoreReady:
     # process, which loads the vocabulary itself instead (process_engine._load_tokenizer).
     tokenizer: Any = None if engine.backend.name == "llama_cpp" else engine.tokenizer
     return CoreReady(tokenizer, engine.max_model_len, async_llm.model_name_of(engine), device_text(_Holder(engine), config),
-                     engine.backend.capacity.max_num_seqs, (engine.stats(), engine.running_requests()))
+                     engine.backend.capacity.max_num_seqs, (engine.stats(), engine.running_requests()),
+                     engine.backend.determinism)
 
 
 @dataclass(slots=True)

@@ -134,6 +134,7 @@ class ProcessEngine:
         self.max_model_len = ready.max_model_len
         self.model_name = ready.model_name
         self.device_text = ready.device_text
+        self.determinism = ready.determinism
         self.max_num_seqs = ready.max_num_seqs
         self._snapshot: Snapshot = ready.snapshot
         self._streams: dict[str, _Stream] = {}

@@ -46,6 +46,12 @@ def device_text(engine: Any, config: CllmConfig) -> str:
     return f"{name} on {device}" + (f", {str(dtype).removeprefix('torch.')}" if dtype is not None else "")
 
 
+def determinism_of(engine: Any) -> Any:
+    """The backend's Determinism, in-process or as a core process reported it (None if unknown)."""
+    backend = getattr(getattr(engine, "engine", None), "backend", None)
+    return getattr(backend, "determinism", None) or getattr(engine, "determinism", None)
+
+
 def curl_line(config: CllmConfig, model: str) -> str:
     body = json.dumps({"model": model, "messages": [{"role": "user", "content": "Hello! Who are you?"}]})
     auth = ' -H "Authorization: Bearer $CLLM_API_KEY"' if config.server.api_key else ""
@@ -68,6 +74,9 @@ def ready_lines(config: CllmConfig, engine: Any, model: str, max_model_len: int)
         f"  engine    : {'its own process' if getattr(engine, 'in_own_process', False) else 'a thread of this process'}"
         f" (engine_process: {config.server.engine_process})",
     ]
+    determinism = determinism_of(engine)
+    if determinism is not None and determinism.on:
+        lines.append(f"  determinism: {determinism.text()}")
     if slots is not None:
         lines.append(f"  slots     : {slots} sequences at once, {max_model_len} tokens of context each")
     else:

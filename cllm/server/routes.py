@@ -18,6 +18,7 @@ from cllm.server.embeddings import create_embeddings
 from cllm.server.errors import bad_request
 from cllm.server.input_tokens import chat_input_tokens, response_input_tokens
 from cllm.server.metrics import CONTENT_TYPE
+from cllm.server.ready import determinism_of
 from cllm.server.protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
@@ -68,8 +69,17 @@ async def engine_state(request: Request) -> dict[str, Any]:
     weights = getattr(backend, "weights_path", None)
     verdict = getattr(backend, "flash_attn_verdict", None)  # what llama.cpp was given, why, and the probe's times
     return {"model": model.name, "weights": weights and str(weights), "flash_attn": getattr(backend, "flash_attn", None),
-            "flash_attn_verdict": verdict and _as_dict(verdict), "engine_core": _core_state(model.engine),
+            "flash_attn_verdict": verdict and _as_dict(verdict),
+            "determinism": _determinism(determinism_of(model.engine)), "engine_core": _core_state(model.engine),
             "phase": state.phase.value, "stats": stats_dict, "running": running}
+
+
+def _determinism(determinism: Any) -> dict[str, Any] | None:
+    """model.deterministic as the backend keeps it: on, promised, how, and what it cannot promise."""
+    if determinism is None:
+        return None
+    return {"on": determinism.on, "promised": determinism.promised, "how": list(determinism.how),
+            "not_promised": list(determinism.not_promised)}
 
 
 def _core_state(engine: Any) -> dict[str, Any] | None:

@@ -28,7 +28,9 @@ import numpy as np
 
 from cllm.backends.base import Admission, Backend, BackendCapacity, BackendError, KVCacheFullError, Tokenizer
 from cllm.backends.llama_cpp.embedder import LlamaEmbedder
-from cllm.backends.llama_cpp.flash_attn import resolve_flash_attn
+from cllm.backends.llama_cpp.determinism import kv_type
+from cllm.backends.llama_cpp.determinism import report as determinism_report
+from cllm.backends.llama_cpp.flash_attn import FlashAttnVerdict, resolve_flash_attn
 from cllm.backends.llama_cpp.native import LlamaBatchBuffer, LlamaContextHandle, LlamaModelHandle
 from cllm.backends.llama_cpp.offload import kv_cache_type, resolve_gpu_layers
 from cllm.backends.llama_cpp.prompt_cache import PromptCache, SavedPrompt
@@ -89,19 +91,24 @@ class LlamaCppBackend(Backend):
         self.weights_path = prepare_weights(path, lc.weights, gpu_layers=self.n_gpu_layers, n_threads=self._n_threads)
         self._model = LlamaModelHandle(path=self.weights_path, n_gpu_layers=self.n_gpu_layers)
         memory = available_memory()
-        self._kv_bytes_per_token = self._model.kv_bytes_per_token(lc.type_k, lc.type_v)
+        # model.deterministic: flash attention's row-by-row kernel, a bf16 cache for f16/f32 (determinism.py)
+        det = m.deterministic
+        self.type_k, self.type_v = kv_type(lc.type_k, deterministic=det), kv_type(lc.type_v, deterministic=det)
+        self.determinism = determinism_report(deterministic=det, type_k=self.type_k, type_v=self.type_v,
+                                              gpu_layers=self.n_gpu_layers)
+        self._kv_bytes_per_token = self._model.kv_bytes_per_token(self.type_k, self.type_v)
         n_ctx, n_seq_max = kv_shape(m.n_ctx, m.n_seq_max, n_ctx_train=self._model.n_ctx_train,
                                     bytes_per_token=self._kv_bytes_per_token, available_bytes=memory)
         # auto on a CPU: serving steps timed on this machine once (flash_attn.py); what llama.cpp was given, and why
-        self.flash_attn_verdict = resolve_flash_attn(
+        self.flash_attn_verdict = FlashAttnVerdict(True, "deterministic") if det else resolve_flash_attn(
             lc.flash_attn, model=self._model, model_path=self.weights_path, n_threads=self._n_threads,
-            gpu_layers=self.n_gpu_layers, type_k=lc.type_k, type_v=lc.type_v, n_ubatch=lc.n_ubatch,
+            gpu_layers=self.n_gpu_layers, type_k=self.type_k, type_v=self.type_v, n_ubatch=lc.n_ubatch,
             kv_unified=lc.kv_unified)
         self.flash_attn = self.flash_attn_verdict.setting
         self._ctx = LlamaContextHandle(
             model=self._model, n_ctx=n_ctx, n_batch=m.n_batch, n_ubatch=lc.n_ubatch,
             n_seq_max=n_seq_max, n_threads=self._n_threads, flash_attn=self.flash_attn, kv_unified=lc.kv_unified,
-            type_k=kv_cache_type(lc.type_k), type_v=kv_cache_type(lc.type_v), offload_kqv=lc.offload_kqv,
+            type_k=kv_cache_type(self.type_k), type_v=kv_cache_type(self.type_v), offload_kqv=lc.offload_kqv,
         )
         self._batch = LlamaBatchBuffer(capacity=m.n_batch)
         # Fewer threads while other processes take the CPU (thread_governor.py); a count the user chose is
@@ -422,7 +429,8 @@ class LlamaCppBackend(Backend):
 
     def embed(self, inputs: Sequence[Sequence[int]]) -> np.ndarray:
         if self._embedder is None:
-            self._embedder = LlamaEmbedder(model=self._model, config=self._embedding_config, n_threads=self._n_threads)
+            self._embedder = LlamaEmbedder(model=self._model, config=self._embedding_config, n_threads=self._n_threads,
+                                           deterministic=self.determinism.on)
         # the thread governor learns from generation steps; embeddings run beside them on the same CPUs
         self._embedder.set_n_threads(self._threads_now)
         return self._embedder.embed(inputs)

@@ -16,7 +16,9 @@ from collections.abc import Sequence
 import llama_cpp as C
 import numpy as np
 
+from cllm.backends.llama_cpp.determinism import kv_type
 from cllm.backends.llama_cpp.native import LlamaBatchBuffer, LlamaContextHandle, LlamaModelHandle
+from cllm.backends.llama_cpp.offload import KV_CACHE_TYPES
 from cllm.backends.packing import pack_inputs
 from cllm.config import EmbeddingConfig
 
@@ -38,14 +40,19 @@ def pooling_type(model: LlamaModelHandle, setting: str) -> int:
 class LlamaEmbedder:
     """Pooled embeddings of token inputs, several per llama_decode. Not thread-safe (the engine thread uses it)."""
 
-    def __init__(self, *, model: LlamaModelHandle, config: EmbeddingConfig, n_threads: int) -> None:
+    def __init__(self, *, model: LlamaModelHandle, config: EmbeddingConfig, n_threads: int,
+                 deterministic: bool = False) -> None:
+        """``deterministic``: an input's vector must not depend on what shares its decode (model.deterministic):
+        each input gets a decode of its own (mean pooling is a matmul over all of a decode's tokens), with
+        flash attention's row-by-row kernel over a bf16 cache (llama_cpp/determinism.py)."""
         self.max_tokens = min(config.embedding_batch_tokens, model.n_ctx_train or config.embedding_batch_tokens)
-        self._max_inputs = config.embedding_max_inputs
+        self._max_inputs = 1 if deterministic else config.embedding_max_inputs
         self.pooling = pooling_type(model, config.embedding_pooling)
+        kv = KV_CACHE_TYPES[kv_type("f16", deterministic=deterministic)]
         self._ctx = LlamaContextHandle(
             model=model, n_ctx=self.max_tokens, n_batch=self.max_tokens, n_ubatch=self.max_tokens,
-            n_seq_max=self._max_inputs, n_threads=n_threads, flash_attn=False, kv_unified=True,
-            pooling_type=self.pooling,
+            n_seq_max=self._max_inputs, n_threads=n_threads, flash_attn=deterministic, kv_unified=True,
+            type_k=kv, type_v=kv, pooling_type=self.pooling,
         )
         self._batch = LlamaBatchBuffer(capacity=self.max_tokens)
 

@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from cllm.backends.torch.flex import (
     FlexChunk, FlexDecode, build_flex_chunk, build_flex_decode, flex_chunk_attention, flex_decode_attention,
 )
+from cllm.backends.torch.invariant import InvariantRows, build_invariant_rows, invariant_attention
 from cllm.backends.torch.kv_cache import PagedKVCache
 from cllm.backends.torch.transfer import to_device
 
@@ -117,6 +118,8 @@ class AttentionBatch:
     # The same step for layers with a sliding window of W tokens (a query at position p sees keys
     # p - W + 1 .. p, as transformers' sliding masks), by W; SDPA path only.
     windowed: dict[int, AttentionBatch] = field(default_factory=dict)
+    # model.deterministic: every query row attended on its own over fixed key tiles (invariant.py)
+    invariant: InvariantRows | None = None
 
     def for_window(self, window: int | None) -> AttentionBatch:
         """The metadata of a layer with this sliding window (None: full attention). A window without
@@ -188,7 +191,7 @@ def build_attention_batch(
     of the model's layers (SDPA only), each given its own metadata in ``windowed``.
     """
     batch = _build(chunks, cache, q_per_kv=q_per_kv, mode=mode, flex_fn=flex_fn)
-    if windows and mode != "sdpa":
+    if windows and mode not in ("sdpa", "invariant"):
         raise ValueError(f"sliding-window attention runs on the SDPA path, not {mode!r}")
     for window in windows:
         batch.windowed[window] = _build(chunks, cache, q_per_kv=q_per_kv, mode=mode, window=window,
@@ -206,6 +209,10 @@ def _build(
         rows = to_device(cache.write_rows(slot_mapping(chunks, block_size)), device)
     if mode == "flash":
         return AttentionBatch(rows, None, [], _flash_batch(chunks, block_size, device))
+    if mode == "invariant":
+        ordered = sorted(chunks, key=lambda c: c.row_start)
+        return AttentionBatch(rows, None, [], None, invariant=build_invariant_rows(
+            [(c.start_pos, c.num_tokens, c.block_ids) for c in ordered], cache, window=window))
     single = [c for c in chunks if c.num_tokens == 1]
     whole = len(single) == len(chunks)
     tails = [c for c in chunks if is_tail(c)]
@@ -329,6 +336,9 @@ def paged_attention(
     the layer's own (:meth:`AttentionBatch.for_window`); ``extras`` what else the layer asks for.
     """
     cache.write(layer, batch.write_rows, k, v)
+    if batch.invariant is not None:
+        return invariant_attention(q, cache, layer, batch.invariant, *(() if extras is None else (
+            extras.scale, extras.softcap, extras.sinks)))
     if extras is not None and (batch.flash is not None or batch.flex_fn is not None):
         raise ValueError("attention scale, softcapping and sinks run on the SDPA path")
     if batch.flash is not None:

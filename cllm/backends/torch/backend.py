@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from cllm.backends.base import Admission, Backend, BackendCapacity, BackendError, KVCacheFullError, Tokenizer
+from cllm.backends.determinism import OFF, Determinism
 from cllm.backends.packing import pack_inputs
 from cllm.backends.torch.attention import (
     FLEX_CHUNK_MIN_CONTEXT, MAX_TAIL_TOKENS, SeqChunk, attention_mode, build_attention_batch, is_tail, slot_mapping,
@@ -82,11 +83,14 @@ class TorchBackend(Backend):
             torch.set_num_threads(config.model.n_threads or _usable_cores())
         if self.device.type == "cuda":
             check_startup_free(cuda_memory(self.device), config.torch.gpu_memory_utilization)
+        # model.deterministic on a CPU: fixed-kernel linears, tiled attention, vector-only activations (invariant.py)
+        self._invariant = config.model.deterministic and self.device.type == "cpu"
         loaded = load_model(resolve_model_path(config.model.model), config.torch.model_impl)
         self.model: CausalLM | TransformersCausalLM
         if loaded.hf_model is not None:  # the generic path: transformers' model code over our pool
             self.model_impl = "transformers"
-            self.model = TransformersCausalLM(loaded.hf_model.to(self.device, self.dtype), fp16_weights=self.fp16_weights)
+            self.model = TransformersCausalLM(loaded.hf_model.to(self.device, self.dtype), fp16_weights=self.fp16_weights,
+                                              pad_rows=self._invariant)
             self.spec = generic_spec(self.model)
             log.info("model %s runs on transformers' model code over the paged KV cache (model_impl %s)",
                      self.spec.architecture, config.torch.model_impl)
@@ -95,7 +99,8 @@ class TorchBackend(Backend):
             self.spec = loaded.spec
             self.model = CausalLM(
                 loaded.spec, loaded.state_dict, dtype=self.dtype, device=self.device,
-                compiled=config.torch.torch_compile, fp16_weights=self.fp16_weights,
+                compiled=config.torch.torch_compile and not self._invariant, fp16_weights=self.fp16_weights,
+                pad_rows=self._invariant,
             )
         self._tokenizer = _load_tokenizer(loaded, self.spec.vocab_size, config.model.chat_template)
         del loaded
@@ -107,7 +112,8 @@ class TorchBackend(Backend):
         self._windows = tuple(w for w in self._model_windows() if w < longest)
         if isinstance(self.model, CausalLM):
             self.model.window = self._windows[0] if self._windows else None
-        self._attention = self._attention_mode(config.torch.attention, block_size)
+        self._attention = "invariant" if self._invariant else self._attention_mode(config.torch.attention, block_size)
+        self.determinism = self._determinism(config)
         if self.device.type == "cuda" and config.model.n_ctx is None:
             # CUDA, n_ctx unset: the model's trained context, as far as the pool sized from memory holds it
             # (at least CPU_KV_TOKENS must fit); it used to be capped at CPU_KV_TOKENS without a word.
@@ -151,6 +157,22 @@ class TorchBackend(Backend):
         if isinstance(self.model, TransformersCausalLM):
             return self.model.windows
         return (self.spec.sliding_window,) if self.spec.sliding_window else ()
+
+    def _determinism(self, config: CllmConfig) -> Determinism:
+        """What model.deterministic changed here, and what it cannot promise (the ready block says it)."""
+        if not config.model.deterministic:
+            return OFF
+        if self.device.type != "cpu":
+            return Determinism(on=True, not_promised=(
+                f"torch on {self.device.type}: cuBLAS and the attention kernels choose by shape and no batch-invariant "
+                "kernels are built for it yet; the setting changes nothing there",))
+        how = ("linears padded to a multiple of 8 rows", "attention per query row over fixed 256-key tiles",
+               "SiLU and rotary tables on vector code only", "one embedding input per forward", "no torch.compile")
+        if self.model_impl == "transformers":
+            return Determinism(on=True, how=how, not_promised=(
+                f"{self.spec.architecture} on transformers' own modules (model_impl transformers): their activations "
+                "and rotary tables run torch's elementwise kernels, whose per-thread tails follow the batch size",))
+        return Determinism(on=True, how=how)
 
     def _attention_mode(self, setting: str, block_size: int) -> str:
         """The attention path (attention.attention_mode), SDPA where the model asks for sliding windows,
@@ -535,8 +557,9 @@ class TorchBackend(Backend):
         cfg = self._embedding_config
         pooling = "mean" if cfg.embedding_pooling == "auto" else cfg.embedding_pooling
         out = np.empty((len(inputs), self.spec.hidden_size), dtype=np.float32)
+        # model.deterministic: one input per forward, so nothing beside it changes its kernels' shapes
         groups = pack_inputs([len(x) for x in inputs], max_tokens=self.embedding_max_tokens,
-                             max_inputs=cfg.embedding_max_inputs)
+                             max_inputs=1 if self.determinism.on else cfg.embedding_max_inputs)
         for group in groups:
             out[group.start:group.stop] = pooled_hidden_states(self.model, [inputs[i] for i in group], pooling, self.device)
         return out

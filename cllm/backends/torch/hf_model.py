@@ -157,25 +157,25 @@ class _PackedLinear(torch.nn.Module):
     in the native decoder (no double memory): ``weight`` is left an empty tensor of its dtype and device,
     for code that reads those; ``in_features``/``out_features`` keep the shape."""
 
-    def __init__(self, linear: torch.nn.Linear, fp16_weights: bool) -> None:
+    def __init__(self, linear: torch.nn.Linear, fp16_weights: bool, pad_rows: bool = False) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.bias = linear.bias
         self.packed = Linear(linear.weight.detach(), None if linear.bias is None else linear.bias.detach(),
-                             prepack=True, fp16_weights=fp16_weights)
+                             prepack=True, fp16_weights=fp16_weights, pad_rows=pad_rows)
         self.register_buffer("weight", linear.weight.new_empty(0), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.packed(x)
 
 
-def pack_linears(model: torch.nn.Module, *, fp16_weights: bool) -> int:
+def pack_linears(model: torch.nn.Module, *, fp16_weights: bool, pad_rows: bool = False) -> int:
     """Swap every ``nn.Linear`` of a CPU model for :class:`_PackedLinear`; how many were swapped."""
     swapped = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is torch.nn.Linear and child.weight.device.type == "cpu":
-                setattr(parent, name, _PackedLinear(child, fp16_weights))
+                setattr(parent, name, _PackedLinear(child, fp16_weights, pad_rows))
                 swapped += 1
     return swapped
 
@@ -183,10 +183,10 @@ def pack_linears(model: torch.nn.Module, *, fp16_weights: bool) -> int:
 class TransformersCausalLM:
     """A transformers ``*ForCausalLM`` driven step by step over the paged pool (same call as CausalLM)."""
 
-    def __init__(self, hf_model: torch.nn.Module, *, fp16_weights: bool = False) -> None:
+    def __init__(self, hf_model: torch.nn.Module, *, fp16_weights: bool = False, pad_rows: bool = False) -> None:
         self.hf = hf_model
         if next(hf_model.parameters()).device.type == "cpu":
-            pack_linears(hf_model, fp16_weights=fp16_weights)
+            pack_linears(hf_model, fp16_weights=fp16_weights, pad_rows=pad_rows)
         self.layers = self._probe()
         first = self.layers[0]
         self.num_heads = first.heads

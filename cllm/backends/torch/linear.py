@@ -13,6 +13,13 @@ fp16 GEMM widens them to float32 inside its kernel (activations and accumulation
 float32), reading half the bytes. On an AVX2-only AMD EPYC the 30 layers' linears of
 SmolLM2-135M took 38 vs 59 ms at 16 rows and 15 vs 26 ms at one (oneDNN fp32 packed),
 with a float16 rounding of each weight (relative 2^-11, 8x finer than bfloat16).
+
+Under ``model.deterministic`` (``pad_rows``) the rows are padded with zeros to a multiple of
+``INVARIANT_ROWS``: oneDNN and MKL pick another kernel for a few rows than for many (float32, SmolLM2's
+shapes: a row's result differed with 1-3, 5-7 and 9-11 rows from the same row among 600; bfloat16 at
+one row), and a kernel's accumulation order is its own. Padded, every call runs the kernel of 8+ rows,
+and a row's result was the same at every row count and offset tried (1-140 rows, every path here:
+plain, prepacked, fbgemm float16; tests/unit/test_batch_invariant_ops.py).
 """
 from __future__ import annotations
 
@@ -22,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 PACK_BATCH_HINT = 16  # oneDNN picks the blocked layout for this many rows; any row count works
+INVARIANT_ROWS = 8  # pad_rows: rows are padded to a multiple of this (at least this many)
 
 
 def _fp16_ops() -> tuple[object | None, object | None]:
@@ -41,10 +49,12 @@ class Linear:
     """``y = x @ weight.T + bias``; prepacked for oneDNN when asked and it works here."""
 
     def __init__(
-        self, weight: torch.Tensor, bias: torch.Tensor | None, *, prepack: bool, fp16_weights: bool = False
+        self, weight: torch.Tensor, bias: torch.Tensor | None, *, prepack: bool, fp16_weights: bool = False,
+        pad_rows: bool = False,
     ) -> None:
         self.out_features, self.in_features = weight.shape
         self.bias = bias
+        self.pad_rows = pad_rows  # model.deterministic: the same kernel whatever the row count (module docstring)
         self.weight = weight  # the plain [out, in] weight, unless packed (then None)
         self.packed: torch.Tensor | None = None  # oneDNN-blocked weight
         self.fp16: object | None = None  # fbgemm-packed float16 weight (and bias): a float32 model's fp16_weights
@@ -57,6 +67,19 @@ class Linear:
                 self.weight = None  # the packed copy replaces it: no double memory
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.pad_rows:
+            return self._padded(x)
+        return self._matmul(x)
+
+    def _padded(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        n = rows.shape[0]
+        padded = max(INVARIANT_ROWS, -(-n // INVARIANT_ROWS) * INVARIANT_ROWS)
+        if padded != n:
+            rows = torch.cat([rows, rows.new_zeros(padded - n, rows.shape[1])])
+        return self._matmul(rows)[:n].reshape(*x.shape[:-1], self.out_features)
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.fp16 is not None:
             return _FP16_LINEAR(x, self.fp16)
         if self.packed is not None:

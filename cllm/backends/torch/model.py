@@ -11,12 +11,15 @@ count, not FLOPs, dominates small-batch decode.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 
 from cllm.backends.torch.attention import AttentionBatch, paged_attention
+from cllm.backends.torch.invariant import elementwise
 from cllm.backends.torch.kv_cache import PagedKVCache
 from cllm.backends.torch.linear import Linear
 from cllm.backends.torch.loader import ModelSpec, RopeSpec
@@ -63,6 +66,7 @@ class LayerWeights:
     gate_up: Linear | None  # [2 * intermediate, hidden]; None in a sparse layer
     down: Linear | None  # [hidden, intermediate]; None in a sparse layer
     moe: MoEWeights | None = None  # a sparse layer's router and experts
+    act: Callable[[torch.Tensor], torch.Tensor] = F.silu  # the MLP's activation (invariant.elementwise under pad_rows)
 
 
 def attention_inputs(
@@ -89,7 +93,7 @@ def output_and_mlp(x: torch.Tensor, attn_out: torch.Tensor, w: LayerWeights, eps
     if w.moe is not None:
         return x + moe_forward(h, w.moe)
     gate, up = w.gate_up(h).chunk(2, dim=-1)
-    return x + w.down(F.silu(gate) * up)
+    return x + w.down(w.act(gate) * up)
 
 
 class CausalLM:
@@ -97,8 +101,9 @@ class CausalLM:
 
     def __init__(
         self, spec: ModelSpec, state: dict[str, torch.Tensor], *, dtype: torch.dtype, device: torch.device,
-        compiled: bool = False, fp16_weights: bool = False,
+        compiled: bool = False, fp16_weights: bool = False, pad_rows: bool = False,
     ) -> None:
+        """``pad_rows``: model.deterministic's fixed-kernel linears (linear.py)."""
         self.spec = spec
         for name in ("model.embed_tokens.weight", "model.norm.weight"):
             if name not in state:
@@ -106,14 +111,16 @@ class CausalLM:
         # torch.compile traces F.linear; oneDNN-packed weights are the eager CPU fast path.
         prepack = device.type == "cpu" and not compiled
         self.inv_freq = rope_inv_freq(spec.rope, spec.head_dim).to(device)
+        # pad_rows (model.deterministic): the rotary tables' cos/sin and the MLP's SiLU on vector code only
+        self._elementwise: Callable = elementwise if pad_rows else _plain
         self.embed = state["model.embed_tokens.weight"].to(device, dtype)
         self.norm = state["model.norm.weight"].to(device, dtype)
         head = state.get("lm_head.weight")
         # Tied embeddings reuse the embedding matrix (GGUF loads may still list lm_head as an alias).
         self.lm_head = Linear(self.embed if head is None or spec.tie_word_embeddings else head.to(device, dtype), None,
-                              prepack=prepack, fp16_weights=fp16_weights)
+                              prepack=prepack, fp16_weights=fp16_weights, pad_rows=pad_rows)
         self.layers = [
-            _layer_weights(spec, state, f"model.layers.{i}.", dtype, device, prepack, fp16_weights,
+            _layer_weights(spec, state, f"model.layers.{i}.", dtype, device, prepack, fp16_weights, pad_rows,
                            sparse=bool(spec.moe_layers) and spec.moe_layers[i])
             for i in range(spec.num_layers)
         ]
@@ -148,15 +155,19 @@ class CausalLM:
     def _rope_tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sign-folded sin, ``[T, 1, head_dim]``, computed in float32 then cast (as transformers)."""
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
-        cos, sin = freqs.cos(), freqs.sin()
+        cos, sin = self._elementwise(torch.cos, freqs), self._elementwise(torch.sin, freqs)
         cos = torch.cat([cos, cos], dim=-1)
         sin = torch.cat([-sin, sin], dim=-1)
         return cos[:, None].to(dtype), sin[:, None].to(dtype)
 
 
+def _plain(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    return fn(x)
+
+
 def _layer_weights(
     spec: ModelSpec, state: dict[str, torch.Tensor], prefix: str, dtype: torch.dtype, device: torch.device,
-    prepack: bool, fp16_weights: bool, *, sparse: bool,
+    prepack: bool, fp16_weights: bool, pad_rows: bool, *, sparse: bool,
 ) -> LayerWeights:
     """One layer's HF tensors, fused (q|k|v, gate|up), cast and moved; absent biases stay None.
     A ``sparse`` layer gets a MoE block (router and stacked experts) in place of the dense MLP."""
@@ -172,7 +183,7 @@ def _layer_weights(
 
     def linear(weight: torch.Tensor | None, bias: torch.Tensor | None) -> Linear:
         assert weight is not None  # _check_present guarantees every weight
-        return Linear(weight, bias, prepack=prepack, fp16_weights=fp16_weights)
+        return Linear(weight, bias, prepack=prepack, fp16_weights=fp16_weights, pad_rows=pad_rows)
 
     attn, mlp = "self_attn.", "mlp."
     qk_norm = None
@@ -183,7 +194,9 @@ def _layer_weights(
     if sparse:
         moe = load_moe(state, prefix, num_experts=spec.num_experts, top_k=spec.num_experts_per_tok,
                        renormalize=spec.norm_topk_prob, dtype=dtype, device=device, prepack=prepack,
-                       fp16_weights=fp16_weights)
+                       fp16_weights=fp16_weights, pad_rows=pad_rows)
+        if pad_rows:
+            moe.act = partial(elementwise, F.silu)
     else:
         gate_up = linear(fused(mlp + "gate_proj.weight", mlp + "up_proj.weight"), fused(mlp + "gate_proj.bias", mlp + "up_proj.bias"))
         down = linear(get(mlp + "down_proj.weight"), get(mlp + "down_proj.bias"))
@@ -196,6 +209,7 @@ def _layer_weights(
         gate_up=gate_up,
         down=down,
         moe=moe,
+        act=partial(elementwise, F.silu) if pad_rows else F.silu,
     )
 
 

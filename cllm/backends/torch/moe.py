@@ -69,6 +69,7 @@ class MoEWeights:
     top_k: int  # experts per token
     renormalize: bool  # top-k weights rescaled to sum to 1
     grouped: bool  # torch._grouped_mm runs, agrees and can be captured on this device and dtype
+    act: Callable[[torch.Tensor], torch.Tensor] = F.silu  # the experts' activation (CPU loop; see model.LayerWeights)
 
 
 # Not traced by torch.compile (torch_compile): the loop's host-side row counts would specialise the compiled
@@ -104,7 +105,7 @@ def _looped(h: torch.Tensor, w: MoEWeights, weights: torch.Tensor, experts: torc
     for (gate_up, down), n in zip(w.experts, counts):
         if n:
             gate, up = gate_up(x[start : start + n]).chunk(2, dim=-1)
-            parts.append(down(F.silu(gate) * up))
+            parts.append(down(w.act(gate) * up))
             start += n
     y = torch.cat(parts) * weights.reshape(-1)[order, None]
     # Each token's k contributions are summed in expert order, whatever else is in the batch.
@@ -196,7 +197,7 @@ def stacked_experts(state: dict[str, torch.Tensor], names: list[str], num_expert
 
 def load_moe(
     state: dict[str, torch.Tensor], prefix: str, *, num_experts: int, top_k: int, renormalize: bool,
-    dtype: torch.dtype, device: torch.device, prepack: bool, fp16_weights: bool,
+    dtype: torch.dtype, device: torch.device, prepack: bool, fp16_weights: bool, pad_rows: bool = False,
 ) -> MoEWeights:
     """One sparse layer's weights (names checked present by the caller), cast, moved and stacked."""
     names = moe_tensor_names(state, prefix, num_experts)
@@ -205,9 +206,10 @@ def load_moe(
         raise ValueError(f"{prefix}: {gate_up.shape[0]} experts in the weights, the config says {num_experts}")
     # The router stays in the compute dtype even under fp16_weights: a rounded router can flip a near-tie
     # expert choice, a discrete change no later layer smooths out (and it is a small [E, H] matrix).
-    router = Linear(state[names[0]].to(device, dtype), None, prepack=prepack)
-    experts = [(Linear(gate_up[e], None, prepack=prepack, fp16_weights=fp16_weights),
-                Linear(down[e], None, prepack=prepack, fp16_weights=fp16_weights)) for e in range(num_experts)]
+    router = Linear(state[names[0]].to(device, dtype), None, prepack=prepack, pad_rows=pad_rows)
+    experts = [(Linear(gate_up[e], None, prepack=prepack, fp16_weights=fp16_weights, pad_rows=pad_rows),
+                Linear(down[e], None, prepack=prepack, fp16_weights=fp16_weights, pad_rows=pad_rows))
+               for e in range(num_experts)]
     on_cuda = device.type == "cuda"
     return MoEWeights(
         router=router, experts=experts,
