@@ -18,6 +18,8 @@ TARGET = ("Here is a list of the planets of the solar system in order from the s
                                                  "Neptune"] * 2))
           + " In summary, the planet with the most moons is")
 PARAMS = cllm.SamplingParams(max_tokens=24, temperature=0, logprobs=5, ignore_eos=True)
+# The same request sampled with a seed: under the setting its draws are the same too.
+SAMPLED = cllm.SamplingParams(max_tokens=24, temperature=0.8, top_p=0.95, seed=7, logprobs=5, ignore_eos=True)
 # A copying task: the n-gram drafter finds its continuation in the prompt, so speculation verifies drafts.
 COPY = ("Copy the list exactly. List: alpha one, beta two, gamma three, delta four, epsilon five, zeta six, "
         "eta seven, theta eight. Copy: alpha one, beta two,")
@@ -45,14 +47,18 @@ class Trace:
         return list(zip(self.tokens, self.logprobs, self.top))
 
 
-def cases(*, deterministic: bool, base: dict, chunked: dict) -> dict[str, Trace]:
-    """The target's trace in every circumstance, and the reference (alone, fresh engine) as "alone"."""
+def cases(*, deterministic: bool, base: dict, chunked: dict, preempting: dict | None = None) -> dict[str, Trace]:
+    """The target's trace in every circumstance, and the references (alone, fresh engine): "alone",
+    "copy alone" and "sampled alone" (see :func:`reference`). ``preempting``: settings under which four
+    long prompts at once cannot all keep their KV (None: the backend never preempts for KV)."""
     got: dict[str, Trace] = {}
     with cllm.LLM(deterministic=deterministic, **base) as llm:
         got["alone"] = Trace.of(llm.generate([TARGET], PARAMS)[0])
         got["copy alone"] = Trace.of(llm.generate([COPY], PARAMS)[0])
+        got["sampled alone"] = Trace.of(llm.generate([TARGET], SAMPLED)[0])
         for seed in (1, 2):
             got[f"beside 15 others (seed {seed})"] = batched(llm, TARGET, PARAMS, 15, seed)
+        got["sampled beside 15 others"] = batched(llm, TARGET, SAMPLED, 15, 3)
         ids = llm.tokenizer.encode(TARGET)
         for length in (3, 17, len(ids) // 2, len(ids) - 1):
             trace, cached = after_prefix(llm, ids, length, seed=length)
@@ -65,16 +71,43 @@ def cases(*, deterministic: bool, base: dict, chunked: dict) -> dict[str, Trace]
         got["prefilled in chunks of 16"] = Trace.of(llm.generate([TARGET], PARAMS)[0])
     with cllm.LLM(deterministic=deterministic, speculative="ngram", **base) as llm:
         got["copy with speculation"] = Trace.of(llm.generate([COPY], PARAMS)[0])
+        got["copy sampled with speculation"] = Trace.of(llm.generate([COPY], SAMPLED)[0])
         assert llm.engine.stats().spec_accepted_tokens > 0, "no draft was accepted: speculation was not exercised"
     with cllm.LLM(deterministic=deterministic, speculative="off", **base) as llm:
         got["copy without speculation"] = Trace.of(llm.generate([COPY], PARAMS)[0])
+        got["copy sampled without speculation"] = Trace.of(llm.generate([COPY], SAMPLED)[0])
+    if preempting is not None:
+        with cllm.LLM(deterministic=deterministic, **{**base, **preempting}) as llm:
+            longs = [f"Variant {i}. " + TARGET.replace("planets", f"{i} worlds") for i in range(3)] + [TARGET]
+            got["after preemptions"] = Trace.of(llm.generate(longs, PARAMS)[-1])
+            assert llm.engine.stats().num_preemptions > 0, "nothing was preempted"
     got["streamed"] = streamed(lambda: cllm.AsyncLLM(deterministic=deterministic, **base), TARGET, PARAMS)
     return got
 
 
+def assert_agree_within_rounding(got: dict[str, Trace], *, tol: float, tie: float) -> None:
+    """The setting off: each greedy case keeps its reference's tokens, with logprobs within ``tol``, up to
+    (if ever) a step where the reference's top two were within ``tie``. Sampled cases are not checked (a
+    seeded draw may change wherever the probabilities move); how many steps differ bitwise is printed."""
+    for name, t in got.items():
+        if "sampled" in name:
+            continue
+        ref = got[reference(name)]
+        for a, b, la, lb, top in zip(t.tokens, ref.tokens, t.logprobs, ref.logprobs, ref.top):
+            if a != b:
+                assert top[0][1] - top[1][1] <= tie, f"{name}: parted from {reference(name)} at a clear choice"
+                break
+            assert abs(la - lb) <= tol, f"{name}: logprob {la} against {lb}"
+    print("deterministic off, steps differing bitwise:", {n: t.differences(got[reference(n)]) for n, t in got.items()})
+
+
 def reference(name: str) -> str:
-    """The trace a case is compared with: the same prompt alone in a fresh engine."""
-    return "copy alone" if name.startswith("copy") else "alone"
+    """The trace a case is compared with: the same request alone in a fresh engine."""
+    if name.startswith("copy sampled"):
+        return "copy sampled without speculation"
+    if name.startswith("copy"):
+        return "copy alone"
+    return "sampled alone" if name.startswith("sampled") else "alone"
 
 
 def others(n: int, seed: int) -> list[tuple[str, cllm.SamplingParams]]:

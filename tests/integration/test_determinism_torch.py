@@ -7,9 +7,10 @@ import numpy as np
 import pytest
 
 import cllm
-from tests.integration.determinism_cases import PARAMS, cases, reference
+from tests.integration.determinism_cases import PARAMS, assert_agree_within_rounding, cases, reference
 
 CHUNKED = dict(n_batch=16, max_prefill_chunk=16)
+PREEMPTING = dict(n_ctx=1024)  # 64 blocks of 16 tokens: four ~430-token sequences cannot all stay
 
 
 def base(dtype: str) -> dict:
@@ -18,24 +19,17 @@ def base(dtype: str) -> dict:
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_deterministic_results_are_bitwise_the_same_whatever_the_batch_chunking_cache_or_speculation(dtype):
-    got = cases(deterministic=True, base=base(dtype), chunked=CHUNKED)
+    got = cases(deterministic=True, base=base(dtype), chunked=CHUNKED, preempting=PREEMPTING)
     differing = {name: t.differences(got[reference(name)]) for name, t in got.items()}
     assert not any(differing.values()), f"steps differing from alone (of {PARAMS.max_tokens}): {differing}"
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_without_the_setting_results_agree_within_rounding_only(dtype):
-    """Today's behaviour, kept visible: greedy tokens may part only at a near-tie; the count of steps
-    differing bitwise is printed, not asserted."""
-    got = cases(deterministic=False, base=base(dtype), chunked=CHUNKED)
-    for name, t in got.items():
-        ref = got[reference(name)]
-        for a, b, top in zip(t.tokens, ref.tokens, ref.top):
-            if a != b:
-                assert top[0][1] - top[1][1] <= 0.5, f"{name}: parted at a clear choice"
-                break
-    print(f"{dtype}, deterministic off, steps differing bitwise:",
-          {n: t.differences(got[reference(n)]) for n, t in got.items()})
+    """Today's behaviour, kept visible: greedy tokens may part only at a near-tie, logprobs within 0.25
+    before; the count of steps differing bitwise is printed, not asserted."""
+    got = cases(deterministic=False, base=base(dtype), chunked=CHUNKED, preempting=PREEMPTING)
+    assert_agree_within_rounding(got, tol=0.25, tie=0.5)
 
 
 def test_identical_embedding_inputs_get_identical_vectors_wherever_they_sit():

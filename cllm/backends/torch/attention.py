@@ -210,9 +210,9 @@ def _build(
     if mode == "flash":
         return AttentionBatch(rows, None, [], _flash_batch(chunks, block_size, device))
     if mode == "invariant":
-        ordered = sorted(chunks, key=lambda c: c.row_start)
         return AttentionBatch(rows, None, [], None, invariant=build_invariant_rows(
-            [(c.start_pos, c.num_tokens, c.block_ids) for c in ordered], cache, window=window))
+            [(c.row_start, c.num_tokens, c.start_pos, c.block_ids) for c in chunks], cache, q_per_kv=q_per_kv,
+            window=window))
     single = [c for c in chunks if c.num_tokens == 1]
     whole = len(single) == len(chunks)
     tails = [c for c in chunks if is_tail(c)]

@@ -8,12 +8,14 @@ computed among 600 (tests/unit/test_batch_invariant_ops.py keeps each finding as
   accumulation order (Linear's ``pad_rows``: linear.py). Batched matmuls of a fixed per-matrix shape
   gave the same result at every batch count (1-257) and offset.
 - **Reductions over a length that follows the batch**: attention's softmax and its sum over keys. Here
-  every query row reads its keys in fixed tiles of ``TILE`` positions (absolute: tile t holds positions
-  t*TILE ...), scores are one fixed-shape batched matmul per tile, the softmax runs over whole tiles (a
-  masked key adds an exact 0 to the row's sum, the row length is a multiple of the vector width, so no
-  element moves between vector and scalar code), and the values are summed tile by tile in order (a tile
-  past the row's context adds an exact 0). So a row's result is the same whatever the longest context
-  in its call, the number of its query rows, or the rows beside it.
+  keys are read in fixed tiles of ``TILE`` positions (absolute: tile t holds positions t*TILE ...); a
+  sequence's query rows (token x head-in-group) meet each tile in one matmul whose rows are padded like a
+  Linear's (a row's result was the same at every padded row count and batch tried, batched or not); the
+  softmax runs over whole tiles (a masked key adds an exact 0 to the row's sum, and the row length is a
+  multiple of the vector width, so no element moves between vector and scalar code); the values are
+  summed tile by tile in order (a tile past the row's context adds an exact 0). So a row's result is the
+  same whatever the longest context in its call, the number of query rows of its sequence, or the
+  sequences beside it.
 - **Elementwise transcendental functions** (SiLU, GELU, the rotary tables' cos/sin): torch runs them on
   vectors, and the last few elements of each thread's share on scalar code (glibc's ``exp`` against
   Sleef's: 16-40 of 512 single-element SiLU/GELU calls differ in the last bit). Where the shares end
@@ -32,10 +34,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from cllm.backends.torch.linear import INVARIANT_ROWS
 from cllm.backends.torch.transfer import to_device
 
-TILE = 256  # key positions per attention tile (rounded up to whole blocks)
-ROWS = 64  # query rows per attention call (any count gives the same rows: it bounds the gathered K/V)
+TILE = 128  # key positions per attention tile (rounded up to whole blocks)
+PIECE_TOKENS = 128  # a sequence's query tokens per piece (bounds a call's scores: any count gives the same rows)
+MAX_PIECES = 64  # pieces per call (bounds the gathered K/V)
 # elementwise(): at most this many elements per call (torch runs a call of <= 32,768 elements on one
 # thread) in multiples of ALIGN (two AVX-512 vectors of bfloat16: the vector loop's step)
 PIECE = 16384
@@ -54,42 +58,69 @@ def elementwise(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> 
 
 
 @dataclass(slots=True)
-class InvariantRows:
-    """A step's attention metadata for the batch-invariant path: every query row on its own."""
+class InvariantCall:
+    """Attention of ``B`` pieces of ``n`` query tokens each (each piece one sequence's consecutive tokens)."""
 
-    index: torch.Tensor  # [T, kv_heads, tiles * tile_blocks] (head, block) gather index of each row's keys
-    mask: torch.Tensor  # [T, tiles * tile] True where the row may attend the key
+    rows: torch.Tensor  # [B * n] the pieces' flat rows of the step, piece by piece
+    n: int  # tokens per piece
+    index: torch.Tensor  # [B, kv_heads, tiles * tile_blocks] (head, block) gather index of each piece's keys
+    mask: torch.Tensor  # [B, 1, padded rows, tiles * tile] True where a (token, head-in-group) row may attend
+
+
+@dataclass(slots=True)
+class InvariantRows:
+    """A step's attention metadata for the batch-invariant path."""
+
+    calls: list[InvariantCall]
     tile_blocks: int  # blocks per tile
-    groups: list[tuple[int, int, int, int]]  # (first row, end row, first tile, end tile) of each call
+
+
+def padded_rows(n: int) -> int:
+    """Query rows of a piece's matmuls: padded like Linear's (a multiple of 8, at least 8)."""
+    return max(INVARIANT_ROWS, -(-n // INVARIANT_ROWS) * INVARIANT_ROWS)
 
 
 def build_invariant_rows(
-    positions: Sequence[tuple[int, int, Sequence[int]]], cache, *, window: int | None = None,
+    chunks: Sequence[tuple[int, int, int, Sequence[int]]], cache, *, q_per_kv: int, window: int | None = None,
 ) -> InvariantRows:
-    """``positions``: per chunk of the step (row order), (start position, tokens, block table)."""
+    """``chunks``: per sequence of the step, (first flat row, tokens, start position, block table).
+
+    A chunk is cut into pieces of at most ``PIECE_TOKENS`` tokens; pieces of the same length share a call
+    (at most ``MAX_PIECES`` a call): a decode step is one call, a prompt chunk a few."""
     block_size, device = cache.shape.block_size, cache.k.device
     tile_blocks = max(1, TILE // block_size)
     tile = tile_blocks * block_size
-    pos = np.concatenate([np.arange(start, start + n) for start, n, _ in positions])
+    pieces: dict[int, list[tuple[int, int, Sequence[int]]]] = {}
+    for row, n, start, table in chunks:
+        for i in range(0, n, PIECE_TOKENS):
+            m = min(PIECE_TOKENS, n - i)
+            pieces.setdefault(m, []).append((row + i, start + i, table))
+    calls = []
+    for n, same in pieces.items():
+        for c in range(0, len(same), MAX_PIECES):
+            calls.append(_call(same[c:c + MAX_PIECES], n, cache, q_per_kv, tile_blocks, tile, window, device))
+    return InvariantRows(calls, tile_blocks)
+
+
+def _call(pieces: list[tuple[int, int, Sequence[int]]], n: int, cache, q_per_kv: int, tile_blocks: int, tile: int,
+          window: int | None, device: torch.device) -> InvariantCall:
+    block_size = cache.shape.block_size
+    pos = np.array([[start + j for j in range(n)] for _, start, _ in pieces])  # [B, n]
     tiles = int(pos.max()) // tile + 1
-    tables = np.zeros((len(pos), tiles * tile_blocks), dtype=np.int64)  # padding: block 0, masked out
-    row = 0
-    for start, n, table in positions:
+    tables = np.zeros((len(pieces), tiles * tile_blocks), dtype=np.int64)  # padding: block 0, masked out
+    for b, (_, start, table) in enumerate(pieces):
         used = min(len(table), tables.shape[1], -(-(start + n) // block_size))
-        tables[row:row + n, :used] = np.asarray(table[:used], dtype=np.int64)
-        row += n
+        tables[b, :used] = np.asarray(table[:used], dtype=np.int64)
     keys = np.arange(tiles * tile)
-    mask = keys[None, :] <= pos[:, None]
-    first_tile = np.zeros_like(pos)
+    allowed = keys[None, None, :] <= pos[:, :, None]  # [B, n, keys]
     if window is not None:
-        mask &= keys[None, :] > pos[:, None] - window
-        first_tile = np.maximum(pos - window + 1, 0) // tile
-    groups = []
-    for g0 in range(0, len(pos), ROWS):
-        g1 = min(len(pos), g0 + ROWS)
-        groups.append((g0, g1, int(first_tile[g0:g1].min()), int(pos[g0:g1].max()) // tile + 1))
-    index = cache.gather_index(tables).reshape(len(pos), cache.shape.num_kv_heads, -1)
-    return InvariantRows(to_device(index, device), to_device(mask, device), tile_blocks, groups)
+        allowed &= keys[None, None, :] > pos[:, :, None] - window
+    rows = n * q_per_kv  # (token, head-in-group), token-major
+    mask = np.ones((len(pieces), 1, padded_rows(rows), tiles * tile), dtype=bool)  # padding rows: all keys (no NaN)
+    mask[:, 0, :rows] = np.repeat(allowed, q_per_kv, axis=1)
+    flat = np.array([row + j for row, _, _ in pieces for j in range(n)], dtype=np.int64)
+    index = cache.gather_index(tables).reshape(len(pieces), cache.shape.num_kv_heads, -1)
+    return InvariantCall(to_device(flat, device), n, to_device(index, device), to_device(mask, device))
 
 
 def invariant_attention(q: torch.Tensor, cache, layer: int, rows: InvariantRows, scale: float | None = None,
@@ -103,29 +134,34 @@ def invariant_attention(q: torch.Tensor, cache, layer: int, rows: InvariantRows,
     k_pool = cache.k[layer].view(-1, s.block_size, dim)
     v_pool = cache.v[layer].view(-1, s.block_size, dim)
     out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
-    for g0, g1, t0, t1 in rows.groups:
-        n = g1 - g0
-        qg = q[g0:g1].reshape(n, kv_heads, -1, dim).float()
-        group = qg.shape[2]
-        parts, values = [], []
-        for t in range(t0, t1):  # one fixed-shape matmul per tile: [group, dim] x [dim, tile] per (row, kv head)
-            index = rows.index[g0:g1, :, t * tile_blocks:(t + 1) * tile_blocks].reshape(-1)
-            k = k_pool.index_select(0, index).view(n, kv_heads, tile, dim).float()
-            values.append(v_pool.index_select(0, index).view(n, kv_heads, tile, dim).float())
-            parts.append(torch.matmul(qg, k.transpose(-1, -2)))
-        scores = torch.cat(parts, dim=-1).mul_(scale)
+    for call in rows.calls:
+        b, n = call.index.shape[0], call.n
+        group = q.shape[1] // kv_heads
+        # [B * n, heads, dim] -> [B, kv_heads, n * group rows (token-major), dim], zero rows up to the padded count
+        qb = q.index_select(0, call.rows).view(b, n, kv_heads, group, dim).transpose(1, 2).reshape(b, kv_heads, -1, dim)
+        padded = call.mask.shape[2]
+        qb = torch.cat([qb.float(), qb.new_zeros(b, kv_heads, padded - n * group, dim, dtype=torch.float32)], dim=2)
+        tiles = call.index.shape[2] // tile_blocks
+        # every tile at once: [B, kv_heads, tiles, tile, dim]; one matmul of fixed-shape matrices, [padded rows,
+        # dim] x [dim, tile] per (piece, kv head, tile)
+        k = k_pool.index_select(0, call.index.reshape(-1)).view(b, kv_heads, tiles, tile, dim).float()
+        v = v_pool.index_select(0, call.index.reshape(-1)).view(b, kv_heads, tiles, tile, dim).float()
+        scores = torch.matmul(qb[:, :, None], k.transpose(-1, -2))  # [B, kv_heads, tiles, rows, tile]
+        scores = scores.transpose(2, 3).reshape(b, kv_heads, padded, tiles * tile).mul_(scale)
         if softcap is not None:
             scores = elementwise(lambda x: torch.tanh(x / softcap) * softcap, scores)
-        scores.masked_fill_(~rows.mask[g0:g1, None, None, t0 * tile:t1 * tile], float("-inf"))
-        if sinks is not None:  # one more logit per head, in a tile of its own (no value): dropped after the softmax
-            sink_tile = scores.new_full((n, kv_heads, group, ALIGN), float("-inf"))
-            sink_tile[..., 0] = sinks.float().view(1, kv_heads, group)
-            probs = torch.cat([scores, sink_tile], dim=-1).softmax(dim=-1)[..., :-ALIGN]
+        scores.masked_fill_(~call.mask, float("-inf"))
+        if sinks is not None:  # one more logit per head, in a block of its own (no value): dropped after the softmax
+            sink_block = scores.new_full((b, kv_heads, padded, ALIGN), float("-inf"))
+            head_sinks = sinks.float().view(kv_heads, group).repeat(1, n)  # rows are (token, head-in-group)
+            sink_block[:, :, :n * group, 0] = head_sinks
+            probs = torch.cat([scores, sink_block], dim=-1).softmax(dim=-1)[..., :-ALIGN]
         else:
             probs = scores.softmax(dim=-1)
-        o = None
-        for i, v in enumerate(values):  # tile by tile, in order: a tile past the row's context adds exact zeros
-            part = torch.matmul(probs[..., i * tile:(i + 1) * tile].contiguous(), v)
-            o = part if o is None else o.add_(part)
-        out[g0:g1] = o.reshape(n, -1).to(out.dtype)
+        probs = probs.reshape(b, kv_heads, padded, tiles, tile).transpose(2, 3)  # [B, kv_heads, tiles, rows, tile]
+        # per tile [rows, tile] x [tile, dim], then the tiles summed in order (cumsum is a running sum: a tile
+        # past a row's context adds an exact 0)
+        o = torch.matmul(probs, v).cumsum(dim=2)[:, :, -1]
+        o = o[:, :, :n * group].reshape(b, kv_heads, n, group, dim).transpose(1, 2).reshape(b * n, -1)
+        out.index_copy_(0, call.rows, o.to(out.dtype))
     return out
