@@ -8,6 +8,9 @@ Throughput: for each round, backend and setting (the order flips every round), o
 ignore_eos) and the output tokens over the wall time is the figure (prefill included). Reports medians
 over rounds, the on/off ratio and the TTFT p50.
 
+``--embeddings``: inputs/s of ``LLM.embed`` over 128 inputs of 5-100 words, on and off alternating (the
+setting embeds one input per forward, so what batching bought is what it costs).
+
 ``--paths`` (llama.cpp): one sequence's 300-token prompt and 40 greedy steps run whole, in chunks of 16,
 beside 7 other sequences and with one thread instead of two, for each cache type and flash-attention
 setting; counts the steps whose logits differ at all from the whole-prompt run with two threads
@@ -97,6 +100,27 @@ def run_throughput(args: argparse.Namespace) -> dict:
     return {"rounds": results, "summary": summary}
 
 
+def run_embeddings(args: argparse.Namespace) -> dict:
+    rng = random.Random(0)
+    inputs = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(5, 100))) for _ in range(128)]
+    rates: dict = {b: {"off": [], "on": []} for b in args.backend}
+    for round_no in range(args.rounds):
+        for backend in args.backend:
+            extra = {"dtype": args.dtype} if backend == "torch" else {}
+            for det in (False, True) if round_no % 2 == 0 else (True, False):
+                with cllm.LLM(backend=backend, deterministic=det, **extra) as llm:
+                    llm.embed(inputs[:4])  # warm-up (the embeddings context is made on first use)
+                    start = time.perf_counter()
+                    llm.embed(inputs)
+                    rate = len(inputs) / (time.perf_counter() - start)
+                rates[backend]["on" if det else "off"].append(rate)
+                print(f"round {round_no + 1} {backend} deterministic={det}: {rate:.1f} inputs/s", flush=True)
+    summary = {b: {s: statistics.median(r[s]) for s in ("off", "on")} for b, r in rates.items()}
+    for b, m in summary.items():
+        print(f"{b}: embeddings off {m['off']:.1f} inputs/s, on {m['on']:.1f} inputs/s, on/off {m['on'] / m['off']:.3f}")
+    return {"rounds": rates, "summary": summary}
+
+
 def run_paths(model_path: Path) -> dict:
     import numpy as np
 
@@ -166,6 +190,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--dtype", default="auto", help="torch: auto (bfloat16 on a CPU with native bf16) or float32")
     ap.add_argument("--paths", action="store_true", help="llama.cpp's batch-dependent kernel paths instead")
+    ap.add_argument("--embeddings", action="store_true", help="embedding throughput instead")
     ap.add_argument("--model", type=Path, default=None, help="--paths: a GGUF (default: the embedded model)")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
@@ -173,6 +198,8 @@ def main() -> None:
         from cllm.model_path import resolve_model_path
 
         out = {"paths": run_paths(args.model or resolve_model_path(None))}
+    elif args.embeddings:
+        out = {"embeddings": run_embeddings(args)}
     else:
         out = run_throughput(args)
     if args.json:

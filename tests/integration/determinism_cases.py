@@ -67,6 +67,8 @@ def cases(*, deterministic: bool, base: dict, chunked: dict, preempting: dict | 
             got[f"after a {length}-token prefix hit"] = trace
         assert llm.generate([COPY], PARAMS)[0].num_cached_tokens > 0
         got["copy again (cached)"] = Trace.of(llm.generate([COPY], PARAMS)[0])
+    with cllm.LLM(deterministic=deterministic, **{**base, "n_threads": 1}) as llm:
+        got["alone, 1 thread"] = Trace.of(llm.generate([TARGET], PARAMS)[0])
     with cllm.LLM(deterministic=deterministic, **chunked, **base) as llm:
         got["prefilled in chunks of 16"] = Trace.of(llm.generate([TARGET], PARAMS)[0])
     with cllm.LLM(deterministic=deterministic, speculative="ngram", **base) as llm:
@@ -78,8 +80,11 @@ def cases(*, deterministic: bool, base: dict, chunked: dict, preempting: dict | 
         got["copy sampled without speculation"] = Trace.of(llm.generate([COPY], SAMPLED)[0])
     if preempting is not None:
         with cllm.LLM(deterministic=deterministic, **{**base, **preempting}) as llm:
+            # three long prompts whose outputs grow past the pool, then the target: the sequences admitted last
+            # are preempted when the first ones need blocks, and recomputed
             longs = [f"Variant {i}. " + TARGET.replace("planets", f"{i} worlds") for i in range(3)] + [TARGET]
-            got["after preemptions"] = Trace.of(llm.generate(longs, PARAMS)[-1])
+            grow = cllm.SamplingParams(max_tokens=160, temperature=0, ignore_eos=True)
+            got["after preemptions"] = Trace.of(llm.generate(longs, [grow] * 3 + [PARAMS])[-1])
             assert llm.engine.stats().num_preemptions > 0, "nothing was preempted"
     got["streamed"] = streamed(lambda: cllm.AsyncLLM(deterministic=deterministic, **base), TARGET, PARAMS)
     return got
