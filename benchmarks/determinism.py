@@ -12,7 +12,8 @@ over rounds, the on/off ratio and the TTFT p50.
 setting embeds one input per forward, so what batching bought is what it costs).
 
 ``--paths`` (llama.cpp): one sequence's 300-token prompt and 40 greedy steps run whole, in chunks of 16,
-beside 7 other sequences and with one thread instead of two, for each cache type and flash-attention
+beside 7 other sequences (one of them 700 tokens long), decoded in 2-row steps (the token and a throwaway
+draft, as a verification) and with one thread instead of two, for each cache type and flash-attention
 setting; counts the steps whose logits differ at all from the whole-prompt run with two threads
 (cllm/backends/llama_cpp/determinism.py records the findings).
 
@@ -130,13 +131,13 @@ def run_paths(model_path: Path) -> dict:
     model = LlamaModelHandle(path=model_path)
     rng = np.random.default_rng(0)
     target = list(rng.integers(100, 40000, 300))
-    others = [list(rng.integers(100, 40000, int(n))) for n in rng.integers(3, 200, 7)]
+    others = [list(rng.integers(100, 40000, int(n))) for n in [*rng.integers(3, 200, 6), 700]]  # one longer
 
     def run(kv: str, flash: bool, mode: str, threads: int) -> np.ndarray:
-        ctx = LlamaContextHandle(model=model, n_ctx=8 * 1024, n_batch=1024, n_ubatch=512, n_seq_max=8,
+        ctx = LlamaContextHandle(model=model, n_ctx=8 * 1024, n_batch=2048, n_ubatch=512, n_seq_max=8,
                                  n_threads=threads, flash_attn=flash, kv_unified=False,
                                  type_k=KV_CACHE_TYPES[kv], type_v=KV_CACHE_TYPES[kv])
-        batch = LlamaBatchBuffer(capacity=1024)
+        batch = LlamaBatchBuffer(capacity=2048)
 
         def decode(tokens, positions, seqs, outputs) -> np.ndarray:
             batch.fill(tokens, positions, seqs, outputs)
@@ -163,6 +164,9 @@ def run_paths(model_path: Path) -> dict:
                 logits = decode([last] + [7] * len(others), [pos] + other_pos, list(range(len(others) + 1)),
                                 range(len(others) + 1))
                 other_pos = [p + 1 for p in other_pos]
+            elif mode == "2-row steps":  # as a verification: the token and a throwaway draft after it
+                logits = decode([last, last], [pos, pos + 1], [0, 0], [0, 1])
+                ctx.seq_rm(0, pos + 1, -1)
             else:
                 logits = decode([last], [pos], [0], [0])
             rows.append(logits)
@@ -173,7 +177,7 @@ def run_paths(model_path: Path) -> dict:
     found = {}
     for kv, flash in [("f16", True), ("f16", False), ("bf16", True), ("q8_0", True)]:
         reference = run(kv, flash, "whole", 2)
-        for mode, threads in [("chunks of 16", 2), ("beside 7 others", 2), ("whole", 1)]:
+        for mode, threads in [("chunks of 16", 2), ("beside 7 others", 2), ("2-row steps", 2), ("whole", 1)]:
             diff = np.abs(run(kv, flash, mode, threads) - reference).max(axis=1)
             key = f"kv {kv}, flash_attn {'on' if flash else 'off'}, {mode}, {threads} thread{'s' if threads > 1 else ''}"
             found[key] = {"steps_differing": int((diff > 0).sum()), "steps": len(diff), "max_abs": float(diff.max())}

@@ -3,16 +3,18 @@ depend on its batch, and the settings that avoid them.
 
 Found in ggml-cpu (llama-cpp-python 0.3.36) and measured on the embedded model, one sequence's 300-token
 prompt and 40 greedy steps compared bitwise: whole prompt alone, in chunks of 16, beside 7 other
-sequences, with 1 and 2 threads (``benchmarks/determinism.py --paths``):
+sequences (one of 700 tokens), decoding in 2-row steps (a token and a throwaway draft, as a
+verification), with 1 and 2 threads (``benchmarks/determinism.py --paths``):
 
 - **Flash attention with an f16 or f32 KV cache**: ggml takes a *tiled* kernel when a sequence brings at
-  least a tile of query rows (a prompt chunk, not a decode step) and, for a lone sequence decoding with
-  512 or more KV cells, a *split-KV* kernel whose split follows the thread count. Both sum in another
-  order than the one-row kernel: 40 of 41 steps differed (up to 0.9 in a logit) batched or with one
-  thread, 41 of 41 chunked. With any other cache type (bf16, q8_0, ...) ggml keeps its row-by-row kernel,
-  which walks one sequence's cells in order and skips the masked ones: 0 of 41 differed, in every case.
-- **No flash attention**: attention is two matmuls over the whole KV view, whose length follows the
-  batch: 40 of 41 steps differed batched (chunks and thread counts did not matter there).
+  least a tile of query rows (a prompt chunk) and, for a lone sequence decoding one row over 512 or more
+  KV cells, a *split-KV* kernel whose split follows the thread count. Both sum in another order than the
+  row-by-row kernel: 41 of 41 steps differed chunked, 40 of 41 batched, in 2-row steps or with one
+  thread. With any other cache type (bf16, q8_0, ...) ggml keeps its row-by-row kernel, which walks one
+  sequence's cells in order and skips the masked ones: 0 of 41 differed, in every case.
+- **No flash attention**: attention is two matmuls per sequence (split cache); a sequence bringing two or
+  more rows takes llamafile's tiled f16 GEMM where one row takes the vector kernel: 40 of 41 steps
+  differed in 2-row steps (chunks, batch-mates and threads did not matter here).
 - **Matmuls**: each output element is one dot product whatever the batch (ggml splits rows and columns
   between threads, never a reduction): Q4_1 (vector kernel only on x86), Q8_0 (llamafile's tiled GEMM
   for two or more columns, the vector kernel for one) and Q4_0 (repacked 8x8 kernels) gave identical
