@@ -22,6 +22,7 @@ import torch
 from cllm.backends.base import Admission, Backend, BackendCapacity, BackendError, KVCacheFullError, Tokenizer
 from cllm.backends.determinism import OFF, Determinism
 from cllm.backends.packing import pack_inputs
+from cllm.backends.torch import invariant
 from cllm.backends.torch.attention import (
     FLEX_CHUNK_MIN_CONTEXT, MAX_TAIL_TOKENS, SeqChunk, attention_mode, build_attention_batch, is_tail, slot_mapping,
 )
@@ -166,7 +167,7 @@ class TorchBackend(Backend):
             return Determinism(on=True, not_promised=(
                 f"torch on {self.device.type}: cuBLAS and the attention kernels choose by shape and no batch-invariant "
                 "kernels are built for it yet; the setting changes nothing there",))
-        how = ("linears padded to a multiple of 8 rows", "attention per query row over fixed 256-key tiles",
+        how = ("linears padded to a multiple of 8 rows", f"attention over fixed {invariant.TILE}-key tiles",
                "SiLU and rotary tables on vector code only", "one embedding input per forward", "no torch.compile")
         if self.model_impl == "transformers":
             return Determinism(on=True, how=how, not_promised=(
