@@ -7,7 +7,9 @@ import numpy as np
 import pytest
 
 import cllm
-from tests.integration.determinism_cases import PARAMS, assert_agree_within_rounding, cases, reference
+from tests.integration.determinism_cases import (
+    PARAMS, TARGET, Trace, assert_agree_within_rounding, cases, reference,
+)
 
 CHUNKED = dict(n_batch=16, max_prefill_chunk=16)
 PREEMPTING = dict(n_ctx=1024)  # 64 blocks of 16 tokens: four ~430-token sequences cannot all stay
@@ -22,6 +24,11 @@ def test_deterministic_results_are_bitwise_the_same_whatever_the_batch_chunking_
     got = cases(deterministic=True, base=base(dtype), chunked=CHUNKED, preempting=PREEMPTING)
     differing = {name: t.differences(got[reference(name)]) for name, t in got.items()}
     assert not any(differing.values()), f"steps differing from alone (of {PARAMS.max_tokens}): {differing}"
+    if dtype == "float32":  # the same numbers as the default path (checked against transformers to 1e-4 elsewhere)
+        with cllm.LLM(**base(dtype)) as llm:
+            default = Trace.of(llm.generate([TARGET], PARAMS)[0])
+        assert default.tokens == got["alone"].tokens
+        np.testing.assert_allclose(default.logprobs, got["alone"].logprobs, atol=1e-4)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -42,7 +42,7 @@ PIECE_TOKENS = 128  # a sequence's query tokens per piece (bounds a call's score
 MAX_PIECES = 64  # pieces per call (bounds the gathered K/V)
 # elementwise(): at most this many elements per call (torch runs a call of <= 32,768 elements on one
 # thread) in multiples of ALIGN (two AVX-512 vectors of bfloat16: the vector loop's step)
-PIECE = 16384
+ELEMENTWISE_CHUNK = 16384
 ALIGN = 64
 
 
@@ -53,7 +53,8 @@ def elementwise(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> 
     padded = -(-n // ALIGN) * ALIGN
     if padded != n:
         flat = torch.cat([flat, flat.new_zeros(padded - n)])
-    out = torch.cat([fn(flat[i:i + PIECE]) for i in range(0, padded, PIECE)]) if padded > PIECE else fn(flat)
+    step = ELEMENTWISE_CHUNK
+    out = torch.cat([fn(flat[i:i + step]) for i in range(0, padded, step)]) if padded > step else fn(flat)
     return out[:n].view(x.shape)
 
 

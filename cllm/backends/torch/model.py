@@ -195,8 +195,6 @@ def _layer_weights(
         moe = load_moe(state, prefix, num_experts=spec.num_experts, top_k=spec.num_experts_per_tok,
                        renormalize=spec.norm_topk_prob, dtype=dtype, device=device, prepack=prepack,
                        fp16_weights=fp16_weights, pad_rows=pad_rows)
-        if pad_rows:
-            moe.act = partial(elementwise, F.silu)
     else:
         gate_up = linear(fused(mlp + "gate_proj.weight", mlp + "up_proj.weight"), fused(mlp + "gate_proj.bias", mlp + "up_proj.bias"))
         down = linear(get(mlp + "down_proj.weight"), get(mlp + "down_proj.bias"))

@@ -42,11 +42,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import lru_cache, partial
 
 import torch
 import torch.nn.functional as F
 
+from cllm.backends.torch.invariant import elementwise
 from cllm.backends.torch.linear import Linear
 
 BLOCK_NAMES = ("mlp.", "block_sparse_moe.")  # the sparse block's prefix: HF / transformers >= 5, Mixtral hub files
@@ -217,4 +218,5 @@ def load_moe(
         gate_up=gate_up if on_cuda else None, down=down if on_cuda else None,
         expert_ids=torch.arange(num_experts, device=device) if on_cuda else None,
         top_k=top_k, renormalize=renormalize, grouped=grouped_mm_works(device, dtype),
+        act=partial(elementwise, F.silu) if pad_rows else F.silu,  # model.deterministic: vector code only
     )
