@@ -15,6 +15,7 @@ from cllm.engine.stats import EngineStats
 from cllm.errors import ContextLengthError, EngineDeadError, QueueFullError
 from cllm.outputs import CompletionOutput, EmbeddingOutput, RequestOutput, TokenLogprob, Usage
 from cllm.request import RequestStatus
+from cllm.router import ModelNotFound, ModelUnavailable, Router
 from cllm.sampling.params import SamplingParams
 
 __version__ = "0.1.0"
@@ -29,7 +30,7 @@ def serve_ray(*args, **kwargs):  # type: ignore[no-untyped-def]
 
 
 __all__ = [
-    "LLM", "AsyncLLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Usage", "RequestStatus",
+    "LLM", "AsyncLLM", "Router", "ModelNotFound", "ModelUnavailable", "SamplingParams", "RequestOutput", "CompletionOutput", "Usage", "RequestStatus",
     "EmbeddingOutput", "TokenLogprob",
     "CllmConfig", "load_config", "Backend", "BackendCapacity", "Tokenizer", "EngineStats",
     "backend_names", "describe_backends", "get_backend_factory",

@@ -128,7 +128,10 @@ def backends() -> None:
 @app.command()
 def serve(
     backend: Optional[str] = BackendOpt,
-    model: Optional[str] = ModelOpt,
+    model: Optional[list[str]] = typer.Option(None, "--model", "-m", help="GGUF file or HF model directory (default: embedded SmolLM2-135M); repeat as NAME=PATH (or NAME=PATH@BACKEND) to serve several, each loaded on its first request"),
+    models_dir: Optional[str] = typer.Option(None, "--models-dir", help="serve every GGUF and HF model directory in this folder, named by file"),
+    keep_alive: Optional[str] = typer.Option(None, "--keep-alive", help="with several models: how long one stays loaded after its last request (seconds, '5m', 0 = unload at once, -1 = never)"),
+    max_loaded_models: Optional[int] = typer.Option(None, "--max-loaded-models", help="with several models: how many may be loaded at once"),
     config: Optional[Path] = ConfigOpt,
     host: Optional[str] = typer.Option(None, "--host", help="bind address (default 127.0.0.1)"),
     port: Optional[int] = typer.Option(None, "--port", help="bind port (default 8000)"),
@@ -152,11 +155,22 @@ def serve(
     sets: Optional[list[str]] = SetOpt,
 ) -> None:
     """Run the OpenAI-compatible HTTP server (on Ray Serve with --replicas N > 1 or --pd)."""
-    cfg = _config(config, sets, backend=backend, model=model, host=host, port=port, api_key=api_key,
+    path, entries = _model_flags(model or [])
+    cfg = _config(config, sets, backend=backend, model=path, models_dir=models_dir, keep_alive=keep_alive,
+                  max_loaded_models=max_loaded_models, host=host, port=port, api_key=api_key,
                   log_level=log_level, n_ctx=n_ctx, n_seq_max=n_seq_max, n_threads=n_threads, n_batch=n_batch,
                   max_num_seqs=max_num_seqs, max_waiting=max_waiting, request_timeout_s=request_timeout_s,
                   served_model_name=served_model_name or None, replicas=replicas, pd=pd, speculative=speculative,
                   speculative_model=speculative_model, chat_template=chat_template, deterministic=deterministic)
+    if entries:
+        cfg = cfg.model_copy(update={"models": [*cfg.models, *entries]})
+    try:
+        from cllm.router import declared_models
+
+        declared_models(cfg)  # a bad declaration is said now, in one line, not at the first request
+    except (ValueError, FileNotFoundError) as err:
+        typer.echo(f"error: {err}", err=True)
+        raise typer.Exit(2) from None
     if cfg.cluster.replicas > 1 or cfg.cluster.pd is not None:
         try:
             from cllm.cluster.app import serve_ray
@@ -167,6 +181,22 @@ def serve(
     from cllm.server.app import run_server
 
     run_server(cfg)
+
+
+def _model_flags(values: list[str]) -> tuple[str | None, list[Any]]:
+    """``--model`` values: one PATH (the single model, as before), or NAME=PATH[@BACKEND] entries (a bare
+    PATH among several is named by its file)."""
+    from cllm.backends.registry import backend_names
+    from cllm.config import ModelEntry
+    from cllm.router.declare import default_name, parse_model_flag
+
+    if len(values) == 1 and "=" not in values[0]:
+        return values[0], []
+    try:
+        return None, [parse_model_flag(v, backend_names()) if "=" in v else ModelEntry(name=default_name(v), model=v)
+                      for v in values]
+    except ValueError as err:
+        raise typer.BadParameter(str(err)) from None
 
 
 def _mount_bench() -> None:

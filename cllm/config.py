@@ -9,6 +9,7 @@ is grouped by section.
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -245,6 +246,92 @@ def parse_pd(value: str) -> tuple[int, int]:
     return prefill, decode
 
 
+KEEP_FOREVER = -1.0  # keep_alive: never unload
+_DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def parse_keep_alive(value: object, *, field: str = "keep_alive") -> float:
+    """Ollama's keep_alive: seconds as a number, or a duration string ("30s", "5m", "1h", "1h30m"); 0 =
+    unload as soon as idle; any negative value = never unload (returned as KEEP_FOREVER)."""
+    if isinstance(value, bool) or value is None:
+        raise ValueError(f"{field}={value!r}: give seconds, a duration such as '5m' or '1h', 0 or -1")
+    if isinstance(value, (int, float)):
+        seconds = float(value)
+    elif isinstance(value, str):
+        text = value.strip().lower()
+        parts = re.findall(r"(-?\d+(?:\.\d+)?)(ms|s|m|h)?", text)
+        if not text or "".join(n + u for n, u in parts) != text or (len(parts) > 1 and not all(u for _, u in parts)):
+            raise ValueError(f"{field}={value!r}: give seconds, a duration such as '5m' or '1h', 0 or -1")
+        seconds = sum(float(n) * _DURATION_UNITS[u or "s"] for n, u in parts)
+    else:
+        raise ValueError(f"{field}={value!r}: give seconds, a duration such as '5m' or '1h', 0 or -1")
+    if seconds != seconds or seconds > 1e9:
+        raise ValueError(f"{field}={value!r}: at most 1e9 seconds (use -1 for never)")
+    return KEEP_FOREVER if seconds < 0 else seconds
+
+
+class RouterConfig(_Section):
+    """Several models behind one server (`cllm serve --model NAME=PATH ...`, `models:`, --models-dir): loaded
+    on a request's first use, unloaded when idle (cllm/router)."""
+
+    models_dir: str | None = Field(None, description="serve every model in this folder: each GGUF (named by its file stem; a split GGUF's -00001-of-000NN parts as one; an mmproj file beside a model is its projector, not a model) and each Hugging Face model directory (one holding config.json, named by the folder)")
+    keep_alive: float = Field(300.0, description="how long a declared model stays loaded after its last request ends (Ollama's keep_alive and semantics: seconds or a duration such as '5m', '1h'; 0 = unload as soon as idle; -1 = never); a model entry or a request's `keep_alive` field overrides it. A server with only the default model (none declared) never unloads it")
+    max_loaded_models: int = Field(3, ge=1, le=256, description="models loaded at once; loading one more unloads the least recently used model that has no request in flight (Ollama's OLLAMA_MAX_LOADED_MODELS, 3 on a CPU); with all of them busy the request gets 503 with Retry-After")
+    memory_budget_mib: int | None = Field(None, ge=1, description="memory the loaded models may take together, MiB, as measured after each load (host memory the process gained; on CUDA the device memory torch reserved); a model that would not fit beside the others (its size from its last load, else its files' size) unloads idle models first, and with only busy ones left is refused with 503 and Retry-After; null = 85 % of the host memory available when the server starts")
+    model_load_timeout_s: float = Field(600.0, gt=0, description="how long a request waits for its model to load; past it 503 with Retry-After (the load goes on)")
+    load_retry_s: float = Field(30.0, ge=0, description="after a model failed to load, its requests get 503 model_load_failed (with the error) for this long before a request tries loading it again")
+
+    @field_validator("keep_alive", mode="before")
+    @classmethod
+    def _keep_alive(cls, value: object) -> float:
+        return parse_keep_alive(value)
+
+
+# The sections a model entry (models: list, --model NAME=PATH) may set per model; server, cluster and router
+# settings are the server's.
+PER_MODEL_SECTIONS = ("model", "llama_cpp", "torch", "embeddings", "scheduler", "speculative", "structured")
+
+
+class ModelEntry(BaseModel):
+    """One model of a multi-model server: a name, a file, and any per-model setting by its flat name
+    (n_ctx, n_seq_max, dtype, speculative, ...)."""
+
+    model_config = ConfigDict(extra="allow", protected_namespaces=())
+
+    name: str = Field(description="the name requests use in `model`")
+    model: str = Field(description="a GGUF file or a Hugging Face model directory")
+    backend: str | None = Field(None, description="llama_cpp or torch; None = follows the file (GGUF: llama_cpp, else torch)")
+    aliases: list[str] = Field(default_factory=list, description="more names the model answers to")
+    keep_alive: float | None = Field(None, description="this model's keep_alive (router.keep_alive when None)")
+    preload: bool = Field(False, description="load it when the server starts instead of on its first request")
+
+    @field_validator("name", "model")
+    @classmethod
+    def _not_blank(cls, value: str) -> str:
+        if not value.strip():
+            raise ValueError("must not be empty")
+        return value
+
+    @field_validator("keep_alive", mode="before")
+    @classmethod
+    def _keep_alive(cls, value: object) -> float | None:
+        return None if value is None else parse_keep_alive(value)
+
+    @model_validator(mode="after")
+    def _settings_known(self) -> ModelEntry:
+        for key in self.settings():
+            section = FIELD_SECTION.get(key)
+            if section is None:
+                raise ValueError(f"model {self.name!r}: unknown setting {key!r}")
+            if section not in PER_MODEL_SECTIONS:
+                raise ValueError(f"model {self.name!r}: {key!r} is a {section} setting, the server's, not a model's")
+        return self
+
+    def settings(self) -> dict[str, Any]:
+        """The per-model settings given (flat names)."""
+        return dict(self.model_extra or {})
+
+
 class CllmConfig(_Section):
     """All settings, grouped by section as in config.yaml."""
 
@@ -257,6 +344,8 @@ class CllmConfig(_Section):
     structured: StructuredConfig = Field(default_factory=StructuredConfig)
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
     speculative: SpeculativeConfig = Field(default_factory=SpeculativeConfig)
+    router: RouterConfig = Field(default_factory=RouterConfig)
+    models: list[ModelEntry] = Field(default_factory=list, description="the models one server serves (cllm/router): empty = the one model of the model section")
 
     @model_validator(mode="after")
     def _check_cross_section(self) -> CllmConfig:
@@ -279,12 +368,13 @@ class CllmConfig(_Section):
         """A copy with flat overrides applied (and validated)."""
         return build_config(self.to_nested(), overrides)
 
-    def to_nested(self) -> dict[str, dict[str, Any]]:
+    def to_nested(self) -> dict[str, Any]:
         return self.model_dump()
 
 
 SECTIONS: dict[str, type[_Section]] = {
     name: field.annotation for name, field in CllmConfig.model_fields.items()  # type: ignore[misc]
+    if name != "models"
 }
 FIELD_SECTION: dict[str, str] = {
     key: section for section, cls in SECTIONS.items() for key in cls.model_fields
@@ -303,8 +393,9 @@ def _format_error(err: ValidationError) -> str:
 
 def build_config(nested: dict[str, Any], flat: dict[str, Any]) -> CllmConfig:
     """Validate a nested dict plus flat overrides into a CllmConfig (ValueError on bad input)."""
-    merged: dict[str, dict[str, Any]] = {s: dict(nested.get(s) or {}) for s in SECTIONS}
-    unknown_sections = set(nested) - set(SECTIONS)
+    merged: dict[str, Any] = {s: dict(nested.get(s) or {}) for s in SECTIONS}
+    merged["models"] = nested.get("models") or []
+    unknown_sections = set(nested) - set(SECTIONS) - {"models"}
     if unknown_sections:
         raise ValueError(f"unknown config section(s) {sorted(unknown_sections)}; valid: {sorted(SECTIONS)}")
     for key, value in flat.items():

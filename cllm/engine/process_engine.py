@@ -152,6 +152,11 @@ class ProcessEngine:
 
     # ------------------------------------------------------------------ info
     @property
+    def core_pid(self) -> int | None:
+        """The engine core's process id (what it holds in memory is measured there: cllm/router/memory.py)."""
+        return self._process.pid
+
+    @property
     def is_running(self) -> bool:
         return self._dead is None and not self._stopped and self._process.is_alive()
 

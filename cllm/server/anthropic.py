@@ -37,7 +37,7 @@ _PARAMS = {"max_completion_tokens": "max_tokens", "stop": "stop_sequences"}
 def _chat_request(body: CountTokensRequest) -> ChatCompletionRequest:
     """The chat request a Messages request runs as (its fields were validated by MessagesRequest)."""
     choice, parallel = chat_tool_choice(body.tool_choice)
-    fields: dict[str, Any] = {"model": body.model, "messages": chat_messages(body), "tools": chat_tools(body.tools),
+    fields: dict[str, Any] = {"model": body.model, "keep_alive": body.keep_alive, "messages": chat_messages(body), "tools": chat_tools(body.tools),
                               "tool_choice": choice, "parallel_tool_calls": parallel}
     if isinstance(body, MessagesRequest):
         fields.update(max_completion_tokens=body.max_tokens, temperature=body.temperature, top_p=body.top_p,
@@ -200,8 +200,7 @@ async def create_message(body: MessagesRequest, request: Request) -> Response:
 async def count_tokens(body: CountTokensRequest, request: Request) -> JSONResponse:
     """The prompt's token count as the model will see it (template, tools and system included)."""
     state = get_state(request)
-    model = state.require_ready()
-    state.check_model(body.model)
+    model = await state.model_for(request, body.model, keep_alive=body.keep_alive)
     chat = _chat_request(body)
     plan = plan_request(chat, model.engine, state.config.structured)
     prompt = await run_in_threadpool(render_chat, model.engine, chat.messages, True, plan)

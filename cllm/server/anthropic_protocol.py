@@ -33,6 +33,7 @@ class CountTokensRequest(_Request):
     """POST /v1/messages/count_tokens: the prompt part of a Messages request."""
 
     model: str
+    keep_alive: float | int | str | None = None  # how long the model stays loaded after this request (Ollama's keep_alive)
     messages: list[AnthropicMessage]
     system: str | list[dict[str, Any]] | None = None
     tools: list[dict[str, Any]] | None = None

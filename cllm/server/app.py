@@ -14,12 +14,14 @@ from fastapi.middleware.cors import CORSMiddleware
 from cllm.config import CllmConfig
 from cllm.server.access_log import AccessLogMiddleware, AccessRecord
 from cllm.server.anthropic_errors import AnthropicErrorMiddleware
+from cllm.router import declared_models
 from cllm.server.auth import ApiKeyMiddleware
 from cllm.server.body_limit import BodyLimitMiddleware
 from cllm.server.errors import install_error_handlers
 from cllm.server.fingerprint import system_fingerprint
 from cllm.server.host_guard import LOOPBACK_HOSTS, HostGuardMiddleware
 from cllm.server.lifecycle import lifespan_for, request_drain
+from cllm.server.model_leases import ModelLeaseMiddleware
 from cllm.server.routes import KNOWN_PATHS, routers
 from cllm.server.slow_clients import header_limits_protocol
 from cllm.server.state import ServerState
@@ -39,7 +41,8 @@ def create_app(config: CllmConfig, engine: Any | None = None) -> FastAPI:
     started at startup and shut down with the app. All state lives on
     ``app.state.cllm`` — two apps in one process share nothing.
     """
-    state = ServerState(config=config)
+    state = ServerState(config=config, specs=declared_models(config),
+                        single=not (config.models or config.router.models_dir))
     app = FastAPI(
         title="cllm",
         summary="OpenAI-compatible LLM server with continuous batching",
@@ -58,6 +61,7 @@ def create_app(config: CllmConfig, engine: Any | None = None) -> FastAPI:
         state.metrics.http_responses.labels(route=route, code=str(record.status or 499)).inc()
 
     # Added innermost first: the body limit sees requests after logging and CORS.
+    app.add_middleware(ModelLeaseMiddleware)  # innermost: a request's model leases end after its response
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.server.max_body_bytes,
                        timeout_s=config.server.body_read_timeout_s)
     if config.server.api_key is not None:

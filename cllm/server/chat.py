@@ -133,8 +133,7 @@ async def prepare_chat(body: ChatCompletionRequest, request: Request, *, id_pref
 
 async def _prepare_chat(body: ChatCompletionRequest, request: Request, id_prefix: str) -> ChatJob:
     state = get_state(request)
-    model = state.require_ready()
-    state.check_model(body.model)
+    model = await state.model_for(request, body.model, keep_alive=body.keep_alive)
     reject_unsupported(body)
     settings = state.config.structured
     plan = plan_request(body, model.engine, settings)
@@ -192,7 +191,7 @@ async def run_chat(request: Request, job: ChatJob, *, wants_stream: bool, includ
     lease, granted = state.quota.admit(request, num_sequences=job.params.n, priority=priority)
     stream = GenerationStream(
         job.model.engine, [job.prompt], job.params, request_id=job.meta.id, priority=granted,
-        metrics=state.metrics, record=record, prompt_param=prompt_param, lease=lease,
+        metrics=state.metrics.for_model(job.model.name), record=record, prompt_param=prompt_param, lease=lease,
     )
     return await respond(
         request, stream, meta=job.meta, wants_stream=wants_stream, include_usage=include_usage,

@@ -146,8 +146,7 @@ def build_completion(meta: ResponseMeta, finals: list[RequestOutput], n: int, lo
 async def create_completion(body: CompletionRequest, request: Request) -> Response:
     """Validate, admit and run one completions request."""
     state = get_state(request)
-    model = state.require_ready()
-    state.check_model(body.model)
+    model = await state.model_for(request, body.model, keep_alive=body.keep_alive)
     reject_unsupported(body)
     # Checking a long token-id prompt is a Python loop over it: off the event loop (issue 9 defect 17);
     # a text or a short one is checked at once (the thread's round trip costs more than the check).
@@ -172,7 +171,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
                                         param="n" if params.n > 1 else "prompt")
     stream = GenerationStream(
         model.engine, prompts, params, request_id=meta.id, priority=priority,
-        metrics=state.metrics, record=record, prompt_param="prompt", lease=lease,
+        metrics=state.metrics.for_model(model.name), record=record, prompt_param="prompt", lease=lease,
     )
     wants_logprobs = body.logprobs is not None
     echo = EchoSpec(model.engine.tokenizer, body.logprobs) if body.echo else None

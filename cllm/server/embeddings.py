@@ -33,6 +33,7 @@ class EmbeddingRequest(BaseModel):
 
     input: str | list[str] | list[int] | list[list[int]]
     model: str | None = None
+    keep_alive: float | int | str | None = None  # how long the model stays loaded after this request (Ollama's keep_alive)
     encoding_format: Literal["float", "base64"] | None = None
     dimensions: int | None = None
     user: str | None = None
@@ -85,8 +86,7 @@ def build_response(outputs: list[EmbeddingOutput], model: str, encoding: str) ->
 async def create_embeddings(body: EmbeddingRequest, request: Request) -> Response:
     """Validate, embed (batched with concurrent requests by the engine) and answer."""
     state = get_state(request)
-    model = state.require_ready()
-    state.check_model(body.model)
+    model = await state.model_for(request, body.model, keep_alive=body.keep_alive)
     inputs = _inputs(body.input)
     record = access_record(request)
     if record is not None:

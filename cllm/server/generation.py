@@ -21,7 +21,7 @@ from cllm.sampling.params import SamplingParams
 from cllm.server.access_log import AccessRecord
 from cllm.server.client_quota import ClientLease
 from cllm.server.errors import APIError, engine_error
-from cllm.server.metrics import ServerMetrics
+from cllm.server.metrics import ModelMetrics
 
 log = logging.getLogger("cllm.server")
 Prompt = str | list[int]
@@ -124,7 +124,7 @@ class GenerationStream:
         *,
         request_id: str,
         priority: int,
-        metrics: ServerMetrics,
+        metrics: ModelMetrics,
         record: AccessRecord | None,
         prompt_param: str,
         lease: ClientLease | None = None,
@@ -306,7 +306,7 @@ class GenerationStream:
         unfinished = sum(1 for f in self.finals if f is None)
         if unfinished:
             # Closed before the engine reported an end: the client left or the response failed.
-            self._metrics.requests.labels(status="abort").inc(unfinished)
+            self._metrics.count_requests("abort", unfinished)
         await asyncio.shield(asyncio.gather(*self._tasks, return_exceptions=True))
 
     def _note(self, index: int, out: RequestOutput) -> None:

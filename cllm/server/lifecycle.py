@@ -12,7 +12,6 @@ import contextlib
 import logging
 import sys
 from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI
@@ -20,7 +19,8 @@ from fastapi import FastAPI
 from cllm.config import CllmConfig
 from cllm.gc_freeze import freeze_live_objects
 from cllm.progress import model_load_phase
-from cllm.server.ready import ready_lines
+from cllm.router import ModelSpec, Router
+from cllm.server.ready import ready_lines, ready_lines_models
 from cllm.server.sampling import RequestLimits
 from cllm.server.state import LoadedModel, Phase, ServerState
 
@@ -43,63 +43,72 @@ def _construct_engine(config: CllmConfig) -> Any:
         return AsyncLLM(config=config)
 
 
-def _served_names(config: CllmConfig, engine: Any) -> tuple[str, ...]:
-    if config.server.served_model_name:
-        return tuple(config.server.served_model_name)
-    name = getattr(engine, "model_name", None)
-    return (str(name) if name else Path(str(config.model.model or "model")).stem,)
+def _construct(spec: ModelSpec) -> Any:
+    return _construct_engine(spec.config)  # (looked up at call time: tests replace it)
 
 
-def attach_engine(state: ServerState, engine: Any) -> None:
-    """Start a loaded engine and open for traffic (or drain it at once if shutdown already began)."""
-    engine.start()
+def _served(config: CllmConfig, spec: ModelSpec, engine: Any) -> LoadedModel:
+    """What the server keeps of a loaded model: its engine, names and request caps."""
     limits = RequestLimits(
-        max_tokens_limit=state.config.server.max_tokens_limit,
-        max_n=state.config.server.max_n,
+        max_tokens_limit=config.server.max_tokens_limit,
+        max_n=config.server.max_n,
         vocab_size=engine.tokenizer.vocab_size,
     )
-    names = _served_names(state.config, engine)
-    state.loaded = LoadedModel(
-        engine=engine, name=names[0], limits=limits, max_model_len=engine.max_model_len, aliases=names
-    )
-    if state.phase is Phase.DRAINING:
-        begin_drain(state)
+    return LoadedModel(engine=engine, name=spec.name, limits=limits, max_model_len=engine.max_model_len,
+                       aliases=spec.aliases)
+
+
+def make_router(state: ServerState, engine: Any | None) -> Router:
+    """The server's router over its declared models (a given engine serves the one model)."""
+    construct = (lambda spec: engine) if engine is not None else _construct
+    return Router(config=state.config, specs=state.specs, construct=construct,
+                  wrap=lambda spec, eng: _served(state.config, spec, eng), revive_dead=not state.single)
+
+
+async def start_models(state: ServerState) -> None:
+    """Single model: load it (phase LOADING until then; a failure marks FAILED and asks the process to
+    exit). Several: open for traffic at once, the models marked preload loading in the background."""
+    router = state.router
+    assert router is not None  # set by the lifespan before this runs
+    if not state.single:
+        state.phase = Phase.READY
+        _write_ready(ready_lines_models(state.config, router.models()))
+        failures = await router.start()
+        for name, err in failures.items():
+            log.error("model %r could not be preloaded (%s); its requests get 503 until it loads", name, err)
         return
-    freeze_live_objects()
-    state.phase = Phase.READY
-    log.info("model %s ready (max_model_len=%d)", state.loaded.name, state.loaded.max_model_len)
-    # The person's ready line: where to chat, where the API is, what runs, a curl to try.
-    sys.stderr.write("\n".join(ready_lines(state.config, engine, state.loaded.name, state.loaded.max_model_len)) + "\n")
-    sys.stderr.flush()
-
-
-async def load_engine(state: ServerState) -> None:
-    """Construct the engine in a thread; on failure mark FAILED and ask the process to exit."""
-    try:
-        engine = await asyncio.to_thread(_construct_engine, state.config)
-    except Exception as exc:
-        # A bad model file or setting is said in one line (its message names the value and the fix);
-        # a traceback only for what nobody foresaw, or at debug level.
-        foreseen = isinstance(exc, (ValueError, FileNotFoundError))
-        log.error("failed to load the model: %s", exc, exc_info=None if foreseen else exc)
-        if foreseen:
-            log.debug("the load failure's traceback", exc_info=exc)
+    failures = await router.start()
+    if state.phase is Phase.DRAINING:
+        return
+    if failures:
         state.phase = Phase.FAILED
-        state.load_error = f"{type(exc).__name__}: {exc}"
+        state.load_error = router.failure_of(None) or str(next(iter(failures.values())))
+        log.error("failed to load the model: %s", state.load_error)
         if state.on_fatal is not None:
             state.on_fatal(state.load_error)
         return
-    attach_engine(state, engine)
+    freeze_live_objects()
+    state.phase = Phase.READY
+    model = state.loaded
+    assert model is not None
+    log.info("model %s ready (max_model_len=%d)", model.name, model.max_model_len)
+    # The person's ready line: where to chat, where the API is, what runs, a curl to try.
+    _write_ready(ready_lines(state.config, model.engine, model.name, model.max_model_len))
+
+
+def _write_ready(lines: list[str]) -> None:
+    sys.stderr.write("\n".join(lines) + "\n")
+    sys.stderr.flush()
 
 
 def begin_drain(state: ServerState) -> None:
-    """Stop admitting work and start the engine's graceful shutdown. Idempotent; call on the loop."""
+    """Stop admitting work and start the engines' graceful shutdown. Idempotent; call on the loop."""
     if state.phase is not Phase.FAILED:
         state.phase = Phase.DRAINING
-    if state.loaded is not None and state.shutdown_task is None:
+    if state.router is not None and state.shutdown_task is None:
         grace = state.config.server.shutdown_grace_s
         log.info("shutting down: in-flight requests have %.1fs to finish", grace)
-        state.shutdown_task = asyncio.ensure_future(state.loaded.engine.shutdown(grace))
+        state.shutdown_task = asyncio.ensure_future(state.router.shutdown(grace))
 
 
 def request_drain(state: ServerState) -> None:
@@ -124,15 +133,16 @@ async def finish_shutdown(state: ServerState) -> None:
 
 
 def lifespan_for(state: ServerState, engine: Any | None) -> Any:
-    """The FastAPI lifespan: attach or load the engine at startup, drain at shutdown."""
+    """The FastAPI lifespan: load the models at startup (in the background), drain at shutdown."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         state.loop = asyncio.get_running_loop()
+        state.router = make_router(state, engine)
         if engine is not None:
-            attach_engine(state, engine)
+            await start_models(state)  # a given engine is ready at once (its server is up when startup ends)
         else:
-            state.load_task = asyncio.create_task(load_engine(state))
+            state.load_task = asyncio.create_task(start_models(state))
         try:
             yield
         finally:

@@ -23,9 +23,10 @@ _E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120
 
 
 class EngineStatsCollector(Collector):
-    """Exports ``engine.stats()`` at scrape time; nothing while the engine is not loaded."""
+    """Exports each loaded model's ``engine.stats()`` at scrape time, labelled by model; nothing for a model
+    that is not loaded."""
 
-    def __init__(self, stats: Callable[[], Any | None]) -> None:
+    def __init__(self, stats: Callable[[], list[tuple[str, Any]]]) -> None:
         self._stats = stats
 
     def describe(self) -> Iterable[Metric]:
@@ -33,44 +34,54 @@ class EngineStatsCollector(Collector):
         return []
 
     def collect(self) -> Iterable[Metric]:
-        s = self._stats()
-        if s is None:
-            return
-        gauges = {
-            "cllm_num_requests_running": ("Requests being generated", s.num_running),
-            "cllm_num_requests_waiting": ("Requests waiting for a slot", s.num_waiting),
-            "cllm_num_requests_preempted": ("Requests preempted, waiting to resume", s.num_preempted),
-            "cllm_slots_in_use": ("Sequence slots holding a live request", s.slots_in_use),
-            "cllm_slots_total": ("Sequence slots in the backend", s.slots_total),
-            "cllm_kv_cache_usage_ratio": ("Fraction of KV cache used by live sequences", s.kv_usage),
-            "cllm_prefix_cache_hit_rate": ("Prompt tokens served from prefix cache / prompt tokens asked", s.prefix_cache_hit_rate),
-            "cllm_generation_tokens_per_second": ("Recent generation throughput", s.tokens_per_s),
-            "cllm_spec_decode_acceptance_rate": ("Speculative decoding: accepted / proposed draft tokens", s.spec_acceptance_rate),
-            "cllm_spec_decode_tokens_per_verify": ("Speculative decoding: tokens per verifying sequence-step", s.spec_tokens_per_verify),
-        }
-        if s.compute_threads is not None:  # llama.cpp only
-            gauges["cllm_compute_threads"] = ("Threads llama_decode computes with now (fewer while other processes take the CPU)", s.compute_threads)
-        for name, (doc, value) in gauges.items():
-            yield GaugeMetricFamily(name, doc, value=float(value))
-        counters = {
-            "cllm_prompt_tokens": ("Prompt tokens processed", s.prompt_tokens_total),
-            "cllm_generation_tokens": ("Tokens generated", s.generation_tokens_total),
-            "cllm_prefix_cache_queried_tokens": ("Prompt tokens looked up in the prefix cache", s.prefix_cache_queried_tokens),
-            "cllm_prefix_cache_hit_tokens": ("Prompt tokens found in the prefix cache", s.prefix_cache_hit_tokens),
-            "cllm_spec_decode_num_draft_tokens": ("Speculative decoding: draft tokens verified", s.spec_proposed_tokens),
-            "cllm_spec_decode_num_accepted_tokens": ("Speculative decoding: draft tokens accepted", s.spec_accepted_tokens),
-            "cllm_spec_decode_num_verify_steps": ("Speculative decoding: sequence-steps that verified drafts", s.spec_verify_steps),
-            "cllm_spec_decode_num_emitted_tokens": ("Speculative decoding: tokens those steps produced", s.spec_emitted_tokens),
-            "cllm_compute_threads_lowered": ("Times the llama.cpp thread governor took a thread away (CPU contention)", s.compute_threads_lowered),
-        }
-        for name, (doc, value) in counters.items():
-            yield CounterMetricFamily(name, doc, value=float(value))
-        finished = CounterMetricFamily(
-            "cllm_engine_requests_finished", "Engine requests finished, by finish reason", labels=["finish_reason"]
-        )
-        for reason, count in sorted(s.requests_finished.items()):
-            finished.add_metric([reason], float(count))
-        yield finished
+        families: dict[str, Metric] = {}
+        for model, stats in self._stats():
+            for name, doc, kind, value in _engine_samples(stats):
+                family = families.get(name)
+                if family is None:
+                    family = families[name] = kind(name, doc, labels=["model"])
+                family.add_metric([model], float(value))
+            finished = families.get("cllm_engine_requests_finished")
+            if finished is None:
+                finished = families["cllm_engine_requests_finished"] = CounterMetricFamily(
+                    "cllm_engine_requests_finished", "Engine requests finished, by finish reason",
+                    labels=["model", "finish_reason"])
+            for reason, count in sorted(stats.requests_finished.items()):
+                finished.add_metric([model, reason], float(count))
+        yield from families.values()
+
+
+def _engine_samples(s: Any) -> Iterable[tuple[str, str, type, float]]:
+    """(name, help, family type, value) of one engine's stats."""
+    gauges = {
+        "cllm_num_requests_running": ("Requests being generated", s.num_running),
+        "cllm_num_requests_waiting": ("Requests waiting for a slot", s.num_waiting),
+        "cllm_num_requests_preempted": ("Requests preempted, waiting to resume", s.num_preempted),
+        "cllm_slots_in_use": ("Sequence slots holding a live request", s.slots_in_use),
+        "cllm_slots_total": ("Sequence slots in the backend", s.slots_total),
+        "cllm_kv_cache_usage_ratio": ("Fraction of KV cache used by live sequences", s.kv_usage),
+        "cllm_prefix_cache_hit_rate": ("Prompt tokens served from prefix cache / prompt tokens asked", s.prefix_cache_hit_rate),
+        "cllm_generation_tokens_per_second": ("Recent generation throughput", s.tokens_per_s),
+        "cllm_spec_decode_acceptance_rate": ("Speculative decoding: accepted / proposed draft tokens", s.spec_acceptance_rate),
+        "cllm_spec_decode_tokens_per_verify": ("Speculative decoding: tokens per verifying sequence-step", s.spec_tokens_per_verify),
+    }
+    if s.compute_threads is not None:  # llama.cpp only
+        gauges["cllm_compute_threads"] = ("Threads llama_decode computes with now (fewer while other processes take the CPU)", s.compute_threads)
+    for name, (doc, value) in gauges.items():
+        yield name, doc, GaugeMetricFamily, value
+    counters = {
+        "cllm_prompt_tokens": ("Prompt tokens processed", s.prompt_tokens_total),
+        "cllm_generation_tokens": ("Tokens generated", s.generation_tokens_total),
+        "cllm_prefix_cache_queried_tokens": ("Prompt tokens looked up in the prefix cache", s.prefix_cache_queried_tokens),
+        "cllm_prefix_cache_hit_tokens": ("Prompt tokens found in the prefix cache", s.prefix_cache_hit_tokens),
+        "cllm_spec_decode_num_draft_tokens": ("Speculative decoding: draft tokens verified", s.spec_proposed_tokens),
+        "cllm_spec_decode_num_accepted_tokens": ("Speculative decoding: draft tokens accepted", s.spec_accepted_tokens),
+        "cllm_spec_decode_num_verify_steps": ("Speculative decoding: sequence-steps that verified drafts", s.spec_verify_steps),
+        "cllm_spec_decode_num_emitted_tokens": ("Speculative decoding: tokens those steps produced", s.spec_emitted_tokens),
+        "cllm_compute_threads_lowered": ("Times the llama.cpp thread governor took a thread away (CPU contention)", s.compute_threads_lowered),
+    }
+    for name, (doc, value) in counters.items():
+        yield name, doc, CounterMetricFamily, value
 
 
 class ServerMetrics:
@@ -79,32 +90,51 @@ class ServerMetrics:
     def __init__(self, stats: Callable[[], Any | None]) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
-        self.requests = Counter("cllm_requests", "Generation requests by final status", ["status"], registry=r)
+        self.requests = Counter("cllm_requests", "Generation requests by final status", ["model", "status"], registry=r)
         self.http_responses = Counter(
             "cllm_http_responses", "HTTP responses by route and status code", ["route", "code"], registry=r
         )
-        self.ttft = Histogram("cllm_time_to_first_token_seconds", "Arrival to first token", buckets=_LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram("cllm_inter_token_latency_seconds", "Gap between streamed tokens", buckets=_ITL_BUCKETS, registry=r)
-        self.e2e = Histogram("cllm_e2e_request_latency_seconds", "Arrival to finish", buckets=_E2E_BUCKETS, registry=r)
-        self.queue_time = Histogram("cllm_request_queue_time_seconds", "Arrival to first scheduled", buckets=_LATENCY_BUCKETS, registry=r)
+        self.ttft = Histogram("cllm_time_to_first_token_seconds", "Arrival to first token", ["model"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("cllm_inter_token_latency_seconds", "Gap between streamed tokens", ["model"], buckets=_ITL_BUCKETS, registry=r)
+        self.e2e = Histogram("cllm_e2e_request_latency_seconds", "Arrival to finish", ["model"], buckets=_E2E_BUCKETS, registry=r)
+        self.queue_time = Histogram("cllm_request_queue_time_seconds", "Arrival to first scheduled", ["model"], buckets=_LATENCY_BUCKETS, registry=r)
         r.register(EngineStatsCollector(stats))
+
+    def for_model(self, model: str) -> ModelMetrics:
+        """The request metrics of one served model (their ``model`` label bound)."""
+        return ModelMetrics(self, model)
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition."""
+        return generate_latest(self.registry)
+
+
+class ModelMetrics:
+    """A server's request metrics for one model: what a generation stream observes."""
+
+    def __init__(self, metrics: ServerMetrics, model: str) -> None:
+        self._requests = metrics.requests
+        self._model = model
+        self._ttft = metrics.ttft.labels(model=model)
+        self._itl = metrics.itl.labels(model=model)
+        self._e2e = metrics.e2e.labels(model=model)
+        self._queue_time = metrics.queue_time.labels(model=model)
+
+    def count_requests(self, status: str, n: int = 1) -> None:
+        self._requests.labels(model=self._model, status=status).inc(n)
 
     def observe_finished(self, status: str, metrics: RequestMetrics) -> None:
         """One engine request reached its final status."""
-        self.requests.labels(status=status).inc()
+        self.count_requests(status)
         if metrics.ttft is not None:
-            self.ttft.observe(metrics.ttft)
+            self._ttft.observe(metrics.ttft)
         if metrics.queue_time is not None:
-            self.queue_time.observe(metrics.queue_time)
+            self._queue_time.observe(metrics.queue_time)
         if metrics.e2e is not None:
-            self.e2e.observe(metrics.e2e)
+            self._e2e.observe(metrics.e2e)
 
     def observe_tokens(self, gap_s: float, num_tokens: int) -> None:
         """``num_tokens`` arrived ``gap_s`` after the previous ones: that much per token."""
         per_token = gap_s / num_tokens
         for _ in range(num_tokens):
-            self.itl.observe(per_token)
-
-    def render(self) -> bytes:
-        """The Prometheus text exposition."""
-        return generate_latest(self.registry)
+            self._itl.observe(per_token)

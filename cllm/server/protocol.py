@@ -29,6 +29,7 @@ class GenerationRequest(_Request):
     """Fields shared by /v1/completions and /v1/chat/completions (None = default)."""
 
     model: str | None = None
+    keep_alive: float | int | str | None = None  # how long the model stays loaded after this request (Ollama's keep_alive)
     n: int | None = None
     max_tokens: int | None = None
     temperature: float | None = None
@@ -159,6 +160,7 @@ class TokenizeRequest(_Request):
     (llama-server's, whose ``add_special`` defaults to false as there)."""
 
     model: str | None = None
+    keep_alive: float | int | str | None = None  # how long the model stays loaded after this request (Ollama's keep_alive)
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     content: str | None = None
@@ -192,6 +194,7 @@ class DetokenizeRequest(_Request):
     """POST /detokenize."""
 
     model: str | None = None
+    keep_alive: float | int | str | None = None  # how long the model stays loaded after this request (Ollama's keep_alive)
     tokens: list[int]
 
 
@@ -380,7 +383,11 @@ class ModelCard(_Response):
     object: Literal["model"] = "model"
     created: int = Field(default_factory=_now)
     owned_by: str = "cllm"
-    max_model_len: int | None = None
+    max_model_len: int | None = None  # known while the model is loaded
+    root: str | None = None  # the model's primary name (an alias card's root differs from its id)
+    status: Literal["loaded", "loading", "unloaded", "unloading", "failed"] | None = None
+    loaded: bool | None = None
+    backend: str | None = None  # llama_cpp or torch
 
 
 class ModelList(_Response):

@@ -83,3 +83,21 @@ def ready_lines(config: CllmConfig, engine: Any, model: str, max_model_len: int)
         lines.append(f"  context   : {max_model_len} tokens per sequence")
     lines.append(f"  try       : {curl_line(config, model)}")
     return lines
+
+
+def ready_lines_models(config: CllmConfig, models: list[Any]) -> list[str]:
+    """The ready block of a server with several declared models (each loads on its first request)."""
+    url = base_url(config)
+    key_note = "  (API key required: Authorization: Bearer <key>; the page asks for it)" if config.server.api_key else ""
+    limit = config.router.max_loaded_models
+    lines = [
+        f"cllm is ready: {len(models)} models, loaded on first use (at most {limit} at once)",
+        f"  chat page : {url}/",
+        f"  API base  : {url}/v1{key_note}",
+    ]
+    for info in models:
+        keep = "never unloaded" if info.keep_alive_s < 0 else f"keep_alive {info.keep_alive_s:g} s"
+        aliases = f" (also {', '.join(info.aliases[1:])})" if len(info.aliases) > 1 else ""
+        lines.append(f"  model     : {info.name}{aliases}: {info.backend}, {info.path}, {keep}")
+    lines.append(f"  try       : {curl_line(config, models[0].name)}")
+    return lines

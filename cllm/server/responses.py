@@ -288,7 +288,7 @@ def _history(body: ResponsesRequest, store: ResponseStore) -> list[dict[str, Any
 def _chat_request(body: ResponsesRequest, convo: list[dict[str, Any]]) -> ChatCompletionRequest:
     """The chat request a Responses request runs as (its fields were validated by ResponsesRequest)."""
     return ChatCompletionRequest.model_construct(
-        model=body.model, messages=chat_messages(convo), tools=chat_tools(body.tools),
+        model=body.model, keep_alive=body.keep_alive, messages=chat_messages(convo), tools=chat_tools(body.tools),
         tool_choice=chat_tool_choice(body.tool_choice), parallel_tool_calls=body.parallel_tool_calls,
         response_format=chat_response_format(body), max_completion_tokens=body.max_output_tokens,
         temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p, seed=body.seed,

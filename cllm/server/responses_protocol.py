@@ -42,6 +42,7 @@ class ResponsesRequest(_Request):
     """POST /v1/responses."""
 
     model: str | None = None
+    keep_alive: float | int | str | None = None  # how long the model stays loaded after this request (Ollama's keep_alive)
     input: str | list[dict[str, Any]]
     instructions: str | None = None
     previous_response_id: str | None = None

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 from fastapi import APIRouter
@@ -15,7 +16,7 @@ from cllm.server.chat import create_chat_completion, render_chat
 from cllm.server.chat_page import page_router
 from cllm.server.completions import create_completion
 from cllm.server.embeddings import create_embeddings
-from cllm.server.errors import bad_request
+from cllm.server.errors import APIError, bad_request
 from cllm.server.input_tokens import chat_input_tokens, response_input_tokens
 from cllm.server.metrics import CONTENT_TYPE
 from cllm.server.ready import determinism_of
@@ -29,7 +30,8 @@ from cllm.server.protocol import (
     TokenPiece,
 )
 from cllm.server.responses import create_response, delete_response, get_response, list_input_items
-from cllm.server.state import Phase, get_state
+from cllm.router import ModelInfo, ModelUnavailable, Router
+from cllm.server.state import Phase, ServerState, get_state
 from cllm.server.token_pieces import token_pieces
 from cllm.server.tokens import encode_prompt
 
@@ -38,40 +40,110 @@ def _as_dict(obj: Any) -> Any:
     return dataclasses.asdict(obj) if dataclasses.is_dataclass(obj) and not isinstance(obj, type) else obj
 
 
+def _cards(state: ServerState, info: ModelInfo) -> list[ModelCard]:
+    """One card per name of a declared model (its primary name first)."""
+    return [ModelCard(id=name, created=state.started_at, max_model_len=info.max_model_len, root=info.name,
+                      status=info.status, loaded=info.status == "loaded", backend=info.backend)  # type: ignore[arg-type]
+            for name in info.aliases]
+
+
+def _router(state: ServerState) -> Router:
+    if state.router is None or (state.single and state.loaded is None):
+        raise state._unavailable()  # (a single-model server lists its model once it is loaded, as before)
+    return state.router
+
+
 async def list_models(request: Request) -> ModelList:
-    """One card per served alias (the primary name first)."""
+    """Every declared model, each name and alias a card, with whether it is loaded (nothing is loaded by
+    listing)."""
     state = get_state(request)
-    model = state.require_loaded()
-    names = model.aliases or (model.name,)
-    return ModelList(data=[ModelCard(id=n, created=state.started_at, max_model_len=model.max_model_len) for n in names])
+    router = _router(state)
+    return ModelList(data=[card for info in router.models() for card in _cards(state, info)])
 
 
 async def get_model(model_id: str, request: Request) -> ModelCard:
     state = get_state(request)
-    model = state.require_loaded()
-    state.check_model(model_id, param="model_id")
-    return ModelCard(id=model_id, created=state.started_at, max_model_len=model.max_model_len)
+    router = _router(state)
+    spec = state.check_model(model_id, param="model_id")
+    card = next(c for c in _cards(state, _info_of(router, spec.name)) if c.id in (model_id, spec.name))
+    return card if card.id == model_id else card.model_copy(update={"id": model_id})
+
+
+def _info_of(router: Router, name: str) -> ModelInfo:
+    return next(info for info in router.models() if info.name == name)
+
+
+async def load_model(model_id: str, request: Request) -> dict[str, Any]:
+    """POST /v1/models/{name}/load: load it now (it then idles out by its keep_alive)."""
+    state = get_state(request)
+    if state.phase is not Phase.READY or state.router is None:
+        raise state._unavailable()
+    spec = state.check_model(model_id, param="model_id")
+    try:
+        info = await state.router.load(spec.name)
+    except ModelUnavailable as err:
+        raise _unavailable_error(err) from None
+    return {"model": _model_report(info)}
+
+
+async def unload_model(model_id: str, request: Request) -> dict[str, Any]:
+    """POST /v1/models/{name}/unload[?force=true]: unload it now; a busy model is a 409 unless force (which
+    aborts its requests)."""
+    state = get_state(request)
+    if state.router is None:
+        raise state._unavailable()
+    spec = state.check_model(model_id, param="model_id")
+    force = request.query_params.get("force", "false").lower() in ("1", "true", "yes")
+    try:
+        info = await state.router.unload(spec.name, force=force)
+    except ModelUnavailable as err:
+        raise APIError(409, str(err), code=err.code) from None
+    return {"model": _model_report(info)}
+
+
+def _unavailable_error(err: ModelUnavailable) -> APIError:
+    headers = {"Retry-After": str(math.ceil(err.retry_after_s))} if err.retry_after_s else None
+    return APIError(503, str(err), code=err.code, headers=headers)
+
+
+def _model_report(info: ModelInfo) -> dict[str, Any]:
+    return dataclasses.asdict(info) | {"aliases": list(info.aliases)}
 
 
 async def engine_state(request: Request) -> dict[str, Any]:
-    """Live scheduler state: every running request (id, slot, tokens, age) and the engine stats."""
+    """Live scheduler state of one model (``?model=NAME``, else the default): every running request (id,
+    slot, tokens, age), the engine stats, its backend's choices; and ``models``: every declared model's
+    status, memory and load time. Nothing is loaded by asking."""
     state = get_state(request)
-    model = state.require_loaded()
-    running = [_as_dict(r) for r in model.engine.running_requests()]
-    stats = model.engine.stats()
+    if state.router is None:
+        raise state._unavailable()
+    spec = state.check_model(request.query_params.get("model"), param="model")
+    models = [_model_report(info) for info in state.router.models()]
+    engine = state.router.engine_of(spec.name)
+    if engine is None:
+        if state.single:
+            raise state._unavailable()
+        return {"model": spec.name, "status": _info_of(state.router, spec.name).status, "phase": state.phase.value,
+                "models": models}
+    return {**_engine_report(engine, spec.name), "phase": state.phase.value, "models": models}
+
+
+def _engine_report(engine: Any, name: str) -> dict[str, Any]:
+    running = [_as_dict(r) for r in engine.running_requests()]
+    stats = engine.stats()
     stats_dict = _as_dict(stats)
     if isinstance(stats_dict, dict) and hasattr(stats, "prefix_cache_hit_rate"):
         stats_dict["prefix_cache_hit_rate"] = stats.prefix_cache_hit_rate  # a property, not a field
         stats_dict["spec_acceptance_rate"] = stats.spec_acceptance_rate
         stats_dict["spec_tokens_per_verify"] = stats.spec_tokens_per_verify
     # the file llama.cpp runs (a converted copy under llama_cpp.weights: auto / q8_0 / f16), where known
-    backend = getattr(getattr(model.engine, "engine", None), "backend", None)
+    backend = getattr(getattr(engine, "engine", None), "backend", None)
     weights = getattr(backend, "weights_path", None)
     verdict = getattr(backend, "flash_attn_verdict", None)  # what llama.cpp was given, why, and the probe's times
-    return {"model": model.name, "weights": weights and str(weights), "flash_attn": getattr(backend, "flash_attn", None),
-            "flash_attn_verdict": verdict and _as_dict(verdict),
-            "determinism": _determinism(determinism_of(model.engine)), "engine_core": _core_state(model.engine),
-            "phase": state.phase.value, "stats": stats_dict, "running": running}
+    return {"model": name, "status": "loaded", "weights": weights and str(weights),
+            "flash_attn": getattr(backend, "flash_attn", None), "flash_attn_verdict": verdict and _as_dict(verdict),
+            "determinism": _determinism(determinism_of(engine)), "engine_core": _core_state(engine),
+            "stats": stats_dict, "running": running}
 
 
 def _determinism(determinism: Any) -> dict[str, Any] | None:
@@ -91,13 +163,17 @@ def _core_state(engine: Any) -> dict[str, Any] | None:
 
 
 async def health(request: Request) -> JSONResponse:
+    """Single model: ok while its engine runs. Several: ok while the server is up (a model that failed or
+    died fails only its own requests), with each model's status."""
     state = get_state(request)
+    if state.phase is Phase.READY and not state.single and state.router is not None:
+        return JSONResponse({"status": "ok", "models": {i.name: i.status for i in state.router.models()}})
     if state.phase is Phase.READY:
-        if state.loaded is not None and state.loaded.engine.is_running:
+        engine = state.loaded.engine if state.loaded is not None else None
+        if engine is not None and engine.is_running:
             return JSONResponse({"status": "ok"})
         # Loaded once, but the engine has died (or its core is being restarted): every request would get
         # 503, so say so here, with the reason.
-        engine = state.loaded.engine if state.loaded is not None else None
         dead = {"status": "engine_restarting" if getattr(engine, "restarting", False) else "engine_dead"}
         if getattr(engine, "failure", None):
             dead["error"] = engine.failure
@@ -116,8 +192,7 @@ async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
     """vLLM's body (``prompt`` or ``messages``) or llama-server's (``content``, ``add_special``,
     ``with_pieces``)."""
     state = get_state(request)
-    model = state.require_loaded()
-    state.check_model(body.model)
+    model = await state.model_for(request, body.model, keep_alive=body.keep_alive)
     error = body.input_error()
     if error is not None:
         raise bad_request(error[1], param=error[0])
@@ -138,8 +213,7 @@ async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
 
 async def detokenize(body: DetokenizeRequest, request: Request) -> DetokenizeResponse:
     state = get_state(request)
-    model = state.require_loaded()
-    state.check_model(body.model)
+    model = await state.model_for(request, body.model, keep_alive=body.keep_alive)
     vocab = model.limits.vocab_size
     bad = await run_in_threadpool(lambda: [t for t in body.tokens if not 0 <= t < vocab])
     if bad:
@@ -162,6 +236,8 @@ def _openai_routes(router: APIRouter) -> None:
     router.add_api_route("/responses/{response_id}", delete_response, methods=["DELETE"], response_model=None)
     router.add_api_route("/responses/{response_id}/input_items", list_input_items, methods=["GET"], response_model=None)
     router.add_api_route("/models", list_models, methods=["GET"])
+    router.add_api_route("/models/{model_id:path}/load", load_model, methods=["POST"])
+    router.add_api_route("/models/{model_id:path}/unload", unload_model, methods=["POST"])
     router.add_api_route("/models/{model_id:path}", get_model, methods=["GET"])
 
 

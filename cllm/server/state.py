@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -10,7 +11,8 @@ from typing import Any
 
 from starlette.requests import Request
 
-from cllm.config import CllmConfig
+from cllm.config import CllmConfig, parse_keep_alive
+from cllm.router import ModelNotFound, ModelSpec, ModelUnavailable, Router
 from cllm.server.client_quota import AdmissionPolicy, ClientQuota
 from cllm.server.errors import APIError
 from cllm.server.metrics import ServerMetrics
@@ -28,13 +30,16 @@ class Phase(str, enum.Enum):
 
 @dataclass(slots=True, frozen=True)
 class LoadedModel:
-    """The engine and what the server derives from it once, at load."""
+    """A loaded model's engine and what the server derives from it once, at load."""
 
-    engine: Any  # the started AsyncLLM
+    engine: Any  # the started AsyncLLM (or ProcessEngine)
     name: str  # served model id
     limits: RequestLimits  # request caps
     max_model_len: int  # longest prompt + output
     aliases: tuple[str, ...] = ()  # every name the model answers to (name first); /v1/models lists them
+
+
+LEASES_KEY = "cllm_model_leases"  # where a request's model leases wait in its ASGI scope state for release
 
 
 @dataclass(slots=True, eq=False)
@@ -42,7 +47,9 @@ class ServerState:
     """Mutable state of one app (never module-global, so several apps can coexist in a process)."""
 
     config: CllmConfig  # settings the server was started with
-    loaded: LoadedModel | None = None  # set once the engine is loaded and started
+    specs: list[ModelSpec]  # the models it serves (one unless several are declared)
+    single: bool = True  # one model for the server's whole life (none declared): its failure is the server's
+    router: Router | None = None  # set at startup
     phase: Phase = Phase.LOADING
     load_error: str | None = None  # why loading failed
     started_at: int = field(default_factory=lambda: int(time.time()))  # for /v1/models `created`
@@ -63,21 +70,53 @@ class ServerState:
             max_compiles_per_client=server.max_compiles_per_client,
         ))
 
-    def engine_stats(self) -> Any | None:
-        """The engine's stats, or None before it is loaded."""
-        return self.loaded.engine.stats() if self.loaded is not None else None
+    @property
+    def loaded(self) -> LoadedModel | None:
+        """The default (first) model if it is loaded."""
+        return self.router.served_of(None) if self.router is not None else None
 
-    def require_loaded(self) -> LoadedModel:
-        """The model, whatever the phase (tokenizer, stats); 503 before it is loaded."""
-        if self.loaded is None:
-            raise self._unavailable()
-        return self.loaded
+    def engine_stats(self) -> list[tuple[str, Any]]:
+        """(model name, engine stats) of every loaded model."""
+        if self.router is None:
+            return []
+        return [(spec.name, engine.stats()) for spec, engine in self.router.loaded()]
 
-    def require_ready(self) -> LoadedModel:
-        """The model, if it may take new work; else a 503 APIError saying why."""
-        if self.phase is not Phase.READY or self.loaded is None:
+    async def model_for(self, request: Request, requested: str | None, *, param: str = "model",
+                        keep_alive: object = None) -> LoadedModel:
+        """The model a request names (``model`` omitted: the default), loaded if need be, leased until the
+        request's response is sent (ModelLeaseMiddleware). 404 model_not_found for an unknown name (any
+        name is the default with accept_any_model), 503 with Retry-After while it cannot serve."""
+        if self.phase is not Phase.READY or self.router is None:
             raise self._unavailable()
-        return self.loaded
+        keep_s = None
+        if keep_alive is not None:
+            try:
+                keep_s = parse_keep_alive(keep_alive)
+            except ValueError as err:
+                raise APIError(400, str(err), param="keep_alive") from None
+        try:
+            self.router.spec_for(requested)
+        except ModelNotFound as err:
+            if not self.config.server.accept_any_model:
+                raise APIError(404, str(err), param=param, code="model_not_found") from None
+            requested = None
+        try:
+            lease = await self.router.acquire(requested, keep_alive_s=keep_s)
+        except ModelUnavailable as err:
+            headers = {"Retry-After": str(math.ceil(err.retry_after_s))} if err.retry_after_s else None
+            raise APIError(503, str(err), code=err.code, headers=headers) from None
+        request.scope.setdefault("state", {}).setdefault(LEASES_KEY, []).append(lease)
+        served: LoadedModel = lease.served
+        return served
+
+    def check_model(self, requested: str | None, *, param: str = "model") -> ModelSpec:
+        """The declared model ``requested`` names (None: the default); 404 model_not_found otherwise."""
+        try:
+            return self.router.spec_for(requested) if self.router is not None else self.specs[0]
+        except ModelNotFound as err:
+            if self.config.server.accept_any_model:
+                return self.specs[0]
+            raise APIError(404, str(err), param=param, code="model_not_found") from None
 
     def _unavailable(self) -> APIError:
         reasons = {
@@ -88,20 +127,6 @@ class ServerState:
         message, code = reasons.get(self.phase, ("engine unavailable", "engine_unavailable"))
         headers = {"Retry-After": "2"} if self.phase is Phase.LOADING else None
         return APIError(503, message, code=code, headers=headers)
-
-    def check_model(self, requested: str | None, *, param: str = "model") -> None:
-        """A request's ``model`` must be omitted or name a served alias (any name with accept_any_model);
-        404 model_not_found otherwise."""
-        names = (self.loaded.aliases or (self.loaded.name,)) if self.loaded is not None else ()
-        if not requested or requested in names or self.config.server.accept_any_model:
-            return
-        served = ", ".join(repr(n) for n in names)
-        raise APIError(
-            404,
-            f"the model {requested!r} does not exist; this server serves {served}",
-            param=param,
-            code="model_not_found",
-        )
 
 
 def get_state(request: Request) -> ServerState:

@@ -6,6 +6,11 @@ on the server, model-made markup shown as text, the API-key prompt, and a screen
 No scripted engine: the injected markup is the real model's output, forced with the server's own
 constrained decoding (the `grammar` request field), which the page lets a person add through its
 "extra request fields".
+
+The model picker (several models behind one server) runs against a real two-model `cllm serve` (the embedded
+GGUF under two names). One test scripts only GET /v1/models and the router's 503 answers in the page's
+fetch — a model name full of markup, a model that takes seconds to load, a server with no room — while
+the real engine still writes every reply.
 """
 from __future__ import annotations
 
@@ -20,12 +25,13 @@ from pathlib import Path
 import httpx
 import pytest
 
+from cllm.model_path import resolve_model_path
 from tests.integration.conftest_server import API_KEY, ServerProcess, _finish, start_server
 
 from selenium import webdriver  # the test extra, which `make test` installs: missing is a failure, not a skip
 from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
-from selenium.webdriver.support.ui import WebDriverWait
+from selenium.webdriver.support.ui import Select, WebDriverWait
 
 REPO = Path(__file__).resolve().parents[2]
 ARTIFACTS = Path(os.environ.get("CLLM_TEST_ARTIFACTS") or REPO / "test-artifacts")
@@ -141,8 +147,8 @@ def _engine_idle(server: ServerProcess, timeout_s: float) -> float:
 def _aborted_count(server: ServerProcess) -> float:
     with server.http() as http:
         text = http.get("/metrics").text
-    match = re.search(r'^cllm_requests_total\{status="abort"\} (\S+)$', text, re.M)
-    return float(match.group(1)) if match else 0.0
+    # summed over the other labels (a multi-model server labels each request with its model)
+    return sum(float(v) for v in re.findall(r'^cllm_requests_total\{(?:[^}]*,)?status="abort"(?:,[^}]*)?\} (\S+)$', text, re.M))
 
 
 def test_page_is_served_with_a_strict_content_security_policy(page_server: ServerProcess) -> None:
@@ -285,3 +291,180 @@ def test_markdown_renderer_builds_text_nodes_only(browser: webdriver.Chrome, pag
     for raw in ("<script>window.__pwned=2</script>", "[click](javascript:window.__pwned=3)", "<iframe src=x></iframe>",
                 "<img src=x onerror=window.__pwned=6>", "<i>inline</i>", "snake_case_name"):
         assert raw in result["text"], raw
+
+
+def _picker(driver: webdriver.Chrome) -> Select:
+    _wait(driver, lambda d: d.find_element(By.ID, "model-picker").is_displayed(), what="no model picker")
+    return Select(driver.find_element(By.ID, "model-picker"))
+
+
+def _record_status(driver: webdriver.Chrome) -> None:
+    """Note every text #server-status shows from now on."""
+    driver.execute_script("""
+        window.__statuses = [];
+        const status = document.getElementById('server-status');
+        new MutationObserver(() => window.__statuses.push(status.textContent))
+          .observe(status, {subtree: true, childList: true, characterData: true});
+    """)
+
+
+def _reply_done(driver: webdriver.Chrome, count: int, timeout: float = 120.0):  # noqa: ANN202
+    return _wait(driver, lambda d: len(d.find_elements(By.CSS_SELECTOR, "#messages .msg.assistant")) == count
+                 and (r := _last_reply(d)).get_attribute("data-state") in ("done", "error") and r,
+                 timeout=timeout, what=f"reply {count} never finished")
+
+
+HOSTILE_MODEL = "<img src=x onerror=window.__pwned=7>"
+# In the page before its own script: GET v1/models answers a scripted list (alias cards included) whose statuses
+# follow the requests; "other" takes 2.5 s to load; "busy" gets the router's 503 model_capacity; every other
+# chat request goes on to the real server, `model` left out (it serves one model), and its model is noted.
+SCRIPTED_MODELS = """
+(() => {
+  const realFetch = window.fetch.bind(window);
+  const status = {small: 'loaded', other: 'unloaded', busy: 'loaded'};
+  status[%(hostile)s] = 'unloaded';
+  window.__asked = [];
+  const json = (body, code, headers) => new Response(JSON.stringify(body),
+      {status: code, headers: Object.assign({'Content-Type': 'application/json'}, headers || {})});
+  const card = (id, root) => ({id, object: 'model', created: 0, owned_by: 'cllm', root, status: status[root],
+      loaded: status[root] === 'loaded', max_model_len: status[root] === 'loaded' ? 8192 : null, backend: 'llama_cpp'});
+  window.fetch = async (url, options) => {
+    const path = String(url);
+    if (path.endsWith('v1/models')) {
+      return json({object: 'list', data: [card('small', 'small'), card('small-alias', 'small'), card('other', 'other'),
+                                           card('busy', 'busy'), card(%(hostile)s, %(hostile)s)]}, 200);
+    }
+    if (path.endsWith('v1/chat/completions')) {
+      const body = JSON.parse(options.body);
+      window.__asked.push(body.model);
+      if (body.model === 'busy') {
+        return json({error: {message: "every loaded model is serving requests; retry shortly", type: 'server_error',
+                             code: 'model_capacity'}}, 503, {'Retry-After': '5'});
+      }
+      if (status[body.model] !== 'loaded') {
+        status[body.model] = 'loading';
+        await new Promise((r) => setTimeout(r, 2500));
+        status[body.model] = 'loaded';
+      }
+      delete body.model;
+      return realFetch(url, Object.assign({}, options, {body: JSON.stringify(body)}));
+    }
+    return realFetch(url, options);
+  };
+})();
+""" % {"hostile": json.dumps(HOSTILE_MODEL)}
+
+
+def test_model_picker_on_a_scripted_model_list(browser: webdriver.Chrome, page_server: ServerProcess) -> None:
+    """Aliases folded away, hostile names as text, "loading MODEL…" while a model loads, the server's 503 words."""
+    script = browser.execute_cdp_cmd("Page.addScriptToEvaluateOnNewDocument", {"source": SCRIPTED_MODELS})
+    try:
+        _open(browser, page_server.base_url + "/")
+        picker = _picker(browser)
+        assert [o.get_attribute("value") for o in picker.options] == ["small", "other", "busy", HOSTILE_MODEL]
+        assert [o.text for o in picker.options] == ["small", "other (not loaded)", "busy", f"{HOSTILE_MODEL} (not loaded)"]
+        assert picker.first_selected_option.get_attribute("value") == "small"
+        assert not browser.find_element(By.ID, "model-name").is_displayed()  # the picker stands in for the badge
+        assert not browser.find_elements(By.CSS_SELECTOR, "header img")
+        _settings(browser, **{"temperature": "0", "max-tokens": "12", "extra": json.dumps({"ignore_eos": True})})
+
+        picker.select_by_value("other")
+        _record_status(browser)
+        _send(browser, "Hello there.")
+        _wait(browser, lambda d: d.find_element(By.ID, "server-status").text == "loading other…", timeout=5,
+              what="no loading note while the model loads")
+        reply = _reply_done(browser, 1)
+        assert reply.get_attribute("data-state") == "done"
+        assert reply.find_element(By.CSS_SELECTOR, ".role").text == "other"
+        assert browser.find_element(By.ID, "server-status").text == ""  # cleared once the reply came
+        assert "loading other…" in browser.execute_script("return window.__statuses")
+        _wait(browser, lambda d: _picker(d).options[1].text == "other", timeout=5, what="the picker still says not loaded")
+
+        picker.select_by_value(HOSTILE_MODEL)  # the name is only ever text, in the picker and on the reply
+        _send(browser, "And you?")
+        reply = _reply_done(browser, 2)
+        assert reply.find_element(By.CSS_SELECTOR, ".role").text == HOSTILE_MODEL
+        assert browser.find_element(By.ID, "server-status").text == ""
+
+        picker.select_by_value("busy")
+        _send(browser, "Still there?")
+        reply = _reply_done(browser, 3)
+        assert reply.get_attribute("data-state") == "error"
+        note = reply.find_element(By.CSS_SELECTOR, ".error-text").text
+        assert note == "503: every loaded model is serving requests; retry shortly (retry in 5 s)", note
+        assert browser.execute_script("return window.__asked") == ["other", HOSTILE_MODEL, "busy"]
+        history = json.loads(browser.execute_script("return sessionStorage.getItem('cllm.chat.messages')"))
+        assert [m["role"] for m in history] == ["user", "assistant", "user", "assistant"]  # the 503 left no turn
+
+        picker.select_by_value("other")
+        browser.refresh()  # the tab's choice and conversation survive a reload
+        assert _picker(browser).first_selected_option.get_attribute("value") == "other"
+        roles = [r.text for r in browser.find_elements(By.CSS_SELECTOR, "#messages .msg.assistant .role")]
+        assert roles == ["other", HOSTILE_MODEL]
+        time.sleep(0.3)
+        assert browser.execute_script("return window.__pwned === undefined")
+        assert not browser.find_elements(By.CSS_SELECTOR, "header img, #messages img")
+    finally:
+        browser.execute_cdp_cmd("Page.removeScriptToEvaluateOnNewDocument", {"identifier": script["identifier"]})
+
+
+@pytest.fixture(scope="module")
+def two_model_server() -> Iterator[ServerProcess]:
+    """The embedded GGUF declared twice, as "small" and "other", each loaded on its first request, never unloaded."""
+    path = str(resolve_model_path(None))
+    srv = start_server("--model", f"small={path}", "--model", f"other={path}", "--set", "keep_alive=-1",
+                       "--log-level", "info")
+    yield srv
+    _finish(srv)
+
+
+def _statuses(server: ServerProcess) -> dict[str, str]:
+    with server.http() as http:
+        cards = http.get("/v1/models").json()["data"]
+    return {c["id"]: c["status"] for c in cards if c.get("root", c["id"]) == c["id"]}
+
+
+def test_model_picker_on_a_two_model_server(browser: webdriver.Chrome, two_model_server: ServerProcess) -> None:
+    _open(browser, two_model_server.base_url + "/")
+    picker = _picker(browser)
+    assert sorted(o.get_attribute("value") for o in picker.options) == ["other", "small"]
+    before = _statuses(two_model_server)
+    for option in picker.options:  # each model once, its status said while it is not loaded
+        name = option.get_attribute("value")
+        assert option.text == (name if before[name] == "loaded" else f"{name} (not loaded)"), option.text
+    assert before["other"] != "loaded"
+    _settings(browser, **{"temperature": "0", "max-tokens": "24", "extra": json.dumps({"ignore_eos": True})})
+
+    picker.select_by_value("other")
+    assert browser.execute_script("return sessionStorage.getItem('cllm.chat.model')") == "other"
+    _record_status(browser)
+    _record_stream(browser)
+    _send(browser, "Write a short poem about the sea.")
+    reply = _reply_done(browser, 1)
+    assert reply.get_attribute("data-state") == "done", reply.text
+    assert reply.find_element(By.CSS_SELECTOR, ".role").text == "other"
+    assert len(reply.find_element(By.CSS_SELECTOR, ".body").text) > 10
+    assert len(browser.execute_script("return window.__lengths")) >= 3  # streamed
+    assert "loading other…" in browser.execute_script("return window.__statuses")
+    assert browser.find_element(By.ID, "server-status").text == ""
+    after = _statuses(two_model_server)
+    assert after["other"] == "loaded", after
+    assert after["small"] == before["small"], after  # only the chosen model was loaded
+    _wait(browser, lambda d: _picker(d).first_selected_option.text == "other", timeout=5,
+          what="the picker still says other is not loaded")
+
+    browser.refresh()  # the tab remembers the choice, and the conversation
+    picker = _picker(browser)
+    assert picker.first_selected_option.get_attribute("value") == "other"
+    assert len(browser.find_elements(By.CSS_SELECTOR, "#messages .msg.assistant")) == 1
+
+    picker.select_by_value("small")  # switching keeps the conversation: the next request carries it all
+    _send(browser, "Again, shorter.")
+    reply = _reply_done(browser, 2)
+    assert reply.get_attribute("data-state") == "done", reply.text
+    assert reply.find_element(By.CSS_SELECTOR, ".role").text == "small"
+    history = json.loads(browser.execute_script("return sessionStorage.getItem('cllm.chat.messages')"))
+    assert [(m["role"], m.get("model")) for m in history] == [
+        ("user", None), ("assistant", "other"), ("user", None), ("assistant", "small")]
+    assert _statuses(two_model_server) == {"small": "loaded", "other": "loaded"}
+    _screenshot(browser, "chat-page-model-picker.png")

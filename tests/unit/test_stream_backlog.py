@@ -15,7 +15,7 @@ from tests.unit.fakes import FakeBackend, fake_config
 
 def _stream(engine: cllm.AsyncLLM, prompts: list[list[int]], stall_s: float) -> GenerationStream:
     params = cllm.SamplingParams(max_tokens=3000, temperature=0, ignore_eos=True)
-    return GenerationStream(engine, prompts, params, request_id="r", priority=0, metrics=ServerMetrics(lambda: None),
+    return GenerationStream(engine, prompts, params, request_id="r", priority=0, metrics=ServerMetrics(list).for_model("m"),
                             record=None, prompt_param="prompt", stall_timeout_s=stall_s)
 
 

@@ -55,7 +55,7 @@ def clock(monkeypatch) -> _Clock:
 
 def _stream(engine: object, prompts: int, lease: ClientLease | None = None) -> GenerationStream:
     return GenerationStream(engine, [[1, 2]] * prompts, cllm.SamplingParams(max_tokens=1), request_id="r", priority=0,
-                            metrics=ServerMetrics(lambda: None), record=None, prompt_param="prompt",
+                            metrics=ServerMetrics(list).for_model("m"), record=None, prompt_param="prompt",
                             stall_timeout_s=STALL_S, lease=lease)
 
 

@@ -116,6 +116,7 @@ class LlamaCppBackend(Backend):
         adapt = lc.adapt_threads == "auto" and m.n_threads is None and not self.n_gpu_layers and self._n_threads > 1
         self.thread_governor = ThreadGovernor(top=self._n_threads) if adapt else None
         self._threads_now = self._n_threads
+        self._thread_share: int | None = None  # set by a router dividing the CPU (share_cpu)
         cpus = usable_cpus()
         self._cpu_room = CpuRoom(cpus) if adapt else None
         self._cores_per_cpu = physical_cores(cpus) / max(1, len(cpus))  # room counts hyper-threads; threads, cores
@@ -402,10 +403,26 @@ class LlamaCppBackend(Backend):
         """The threads llama_decode runs with now (below n_threads while the governor has taken some away)."""
         return self._threads_now
 
+    @property
+    def cpu_threads(self) -> int | None:
+        """The most threads llama_decode computes with on the CPU (None with layers on a GPU: nothing to share)."""
+        return None if self.n_gpu_layers else self._n_threads
+
+    def share_cpu(self, threads: int | None) -> None:
+        """From the next decode on, at most ``threads`` threads (a router divides the CPU among the engines
+        busy at once); None = this backend's own count (and its governor) again."""
+        self._thread_share = threads
+
     def _governed_decode(self, n_tokens: int, max_position: int) -> int:
-        """_run_decode with the thread count the governor chooses, timed for it (failed decodes are not)."""
+        """_run_decode with the thread count the governor chooses, timed for it (failed decodes are not).
+        Under a router's share the share is the count, and the governor neither chooses nor learns."""
         governor = self.thread_governor
-        if governor is None:
+        share = self._thread_share
+        if governor is None or share is not None:
+            threads = min(share, self._n_threads) if share is not None else self._n_threads
+            if threads != self._threads_now:
+                self._ctx.set_n_threads(threads)
+                self._threads_now = threads
             return self._run_decode()
         room = self._cpu_room.sample() if self._cpu_room is not None else None
         threads = governor.threads_for_step(None if room is None else room * self._cores_per_cpu)

@@ -1,6 +1,6 @@
 // cllm's chat page: streams /v1/chat/completions, keeps the conversation in this tab.
 //
-// Safety rule of this file: text from the model or the user only ever reaches the page through
+// Safety rule of this file: text from the model, the user or the server (model names) only ever reaches the page through
 // textContent / createTextNode (and a link's href after URL parsing allows http(s) only). Nothing
 // here assigns innerHTML, outerHTML, insertAdjacentHTML or document.write; the server's
 // Content-Security-Policy forbids inline script as a second line of defence.
@@ -12,12 +12,14 @@
   const KEY_STORE = "cllm.apiKey";          // sessionStorage: the key is forgotten with the tab
   const CHAT_STORE = "cllm.chat.messages";  // sessionStorage: the conversation survives a reload
   const SETTINGS_STORE = "cllm.chat.settings";  // localStorage: sampling settings and system prompt
+  const MODEL_STORE = "cllm.chat.model";    // sessionStorage: the model chosen in this tab
   const SETTING_IDS = ["system-prompt", "temperature", "top-p", "top-k", "min-p", "repetition-penalty",
     "max-tokens", "seed", "extra"];
 
   const state = {
-    messages: [],          // [{role, content}] without the system prompt
-    model: null,           // the served model id (GET /v1/models)
+    messages: [],          // [{role, content, model?}] without the system prompt; model: who wrote a reply
+    model: null,           // the chosen model's name (GET /v1/models), sent as each request's `model`
+    models: [],            // [{id, status}]: one per served model, aliases left out (GET /v1/models)
     apiKey: sessionStorage.getItem(KEY_STORE) || "",
     controller: null,      // AbortController of the reply in flight
     generation: 0,         // bumped by New chat: a reply still ending belongs to the old conversation
@@ -128,9 +130,9 @@
   }
 
   // ------------------------------------------------------------------ messages on the page
-  function messageView(role, content) {
+  function messageView(role, content, model) {
     const box = el("div", `msg ${role}`);
-    const who = el("div", "role"); who.textContent = role === "user" ? "you" : (state.model || "assistant");
+    const who = el("div", "role"); who.textContent = role === "user" ? "you" : (model || "assistant");
     const body = el("div", "body");
     const meta = el("div", "meta");
     box.append(who, body, meta);
@@ -156,7 +158,7 @@
     try { state.messages = JSON.parse(sessionStorage.getItem(CHAT_STORE) || "[]"); } catch (_) { state.messages = []; }
     if (!Array.isArray(state.messages)) state.messages = [];
     state.messages = state.messages.filter((m) => m && (m.role === "user" || m.role === "assistant") && typeof m.content === "string");
-    for (const m of state.messages) messageView(m.role, m.content);
+    for (const m of state.messages) messageView(m.role, m.content, typeof m.model === "string" ? m.model : null);
     scrollToEnd();
   }
 
@@ -183,7 +185,8 @@
   // The request body, or throws Error with a message for the person.
   function buildRequest() {
     const system = $("system-prompt").value.trim();
-    const messages = (system ? [{ role: "system", content: system }] : []).concat(state.messages);
+    const turns = state.messages.map((m) => ({ role: m.role, content: m.content }));  // without the page's notes
+    const messages = (system ? [{ role: "system", content: system }] : []).concat(turns);
     const body = { messages, stream: true, stream_options: { include_usage: true } };
     if (state.model) body.model = state.model;
     const fields = {
@@ -214,12 +217,26 @@
     return h;
   }
 
+  // The server's own words for a failed response (an OpenAI-style error body), with its Retry-After.
   async function errorMessage(res) {
+    let message = `HTTP ${res.status}`;
     try {
       const body = await res.json();
-      if (body && body.error && body.error.message) return `${res.status}: ${body.error.message}`;
+      if (body && body.error && body.error.message) message = `${res.status}: ${String(body.error.message)}`;
     } catch (_) { /* not JSON */ }
-    return `HTTP ${res.status}`;
+    const retry = (res.headers.get("Retry-After") || "").trim();
+    if (/^\d{1,6}$/.test(retry)) message += ` (retry in ${retry} s)`;
+    return message;
+  }
+
+  // fetch, with a network failure said plainly (an abort stays an AbortError).
+  async function request(url, options) {
+    try {
+      return await fetch(url, options);
+    } catch (err) {
+      if (err.name === "AbortError") throw err;
+      throw new Error("the server could not be reached");
+    }
   }
 
   // Server-sent events of one response: yields each data object; returns at [DONE].
@@ -228,7 +245,14 @@
     const decoder = new TextDecoder();
     let buffer = "";
     for (;;) {
-      const { value, done } = await reader.read();
+      let chunk;
+      try {
+        chunk = await reader.read();
+      } catch (err) {
+        if (err.name === "AbortError") throw err;
+        throw new Error("the connection to the server was lost");
+      }
+      const { value, done } = chunk;
       if (done) return;
       buffer += decoder.decode(value, { stream: true });
       let nl;
@@ -238,7 +262,9 @@
         if (!line.startsWith("data:")) continue;  // blank separators, ": keep-alive" comments
         const data = line.slice(5).trim();
         if (data === "[DONE]") return;
-        yield JSON.parse(data);
+        let event;
+        try { event = JSON.parse(data); } catch (_) { throw new Error("the server sent a malformed event"); }
+        yield event;
       }
     }
   }
@@ -247,6 +273,83 @@
     $("api-key-panel").hidden = false;
     $("api-key-error").textContent = message || "";
     $("api-key").focus();
+  }
+
+  // ------------------------------------------------------------------ models
+  // GET v1/models has a card per name a request may use; an alias's card has root != id and is no entry of
+  // its own. A server without root/status fields (an older one) serves one model: its first card, loaded.
+  function modelsOf(cards) {
+    if (!Array.isArray(cards)) return [];
+    let named = cards.filter((c) => c && typeof c.id === "string" && c.id);
+    if (!named.some((c) => typeof c.root === "string")) named = named.slice(0, 1);
+    const models = [];
+    for (const c of named) {
+      const root = typeof c.root === "string" && c.root ? c.root : c.id;
+      if (root !== c.id || models.some((m) => m.id === c.id)) continue;
+      const status = typeof c.status === "string" ? c.status : (c.loaded === false ? "unloaded" : "loaded");
+      models.push({ id: c.id, status });
+    }
+    return models.length ? models : named.slice(0, 1).map((c) => ({ id: c.id, status: "loaded" }));
+  }
+
+  const STATUS_NOTES = new Map([["loaded", ""], ["loading", "loading…"], ["unloaded", "not loaded"],
+    ["unloading", "unloading"], ["failed", "failed to load"]]);
+
+  function optionLabel(m) {
+    const note = STATUS_NOTES.has(m.status) ? STATUS_NOTES.get(m.status) : m.status;
+    return note ? `${m.id} (${note})` : m.id;
+  }
+
+  function showBadge(text) {
+    $("model-name").textContent = text;
+    $("model-name").hidden = false;
+    $("model-picker").hidden = true;
+  }
+
+  // The served models into the header: the badge for one model, the picker for several (its options built
+  // with option.text only). Keeps the chosen model while it is served; else the tab's stored one, else the first.
+  function showModels(models) {
+    state.models = models;
+    if (!models.some((m) => m.id === state.model)) {
+      const stored = sessionStorage.getItem(MODEL_STORE);
+      state.model = (models.find((m) => m.id === stored) || models[0] || { id: null }).id;
+    }
+    const picker = $("model-picker");
+    const same = picker.options.length === models.length && models.every((m, i) => picker.options[i].value === m.id);
+    if (!same) {
+      picker.replaceChildren(...models.map((m) => { const option = el("option"); option.value = m.id; return option; }));
+    }
+    models.forEach((m, i) => {
+      const label = optionLabel(m);
+      if (picker.options[i].text !== label) picker.options[i].text = label;  // text only, never markup
+    });
+    if (state.model !== null) picker.value = state.model;
+    showBadge(state.model || "(no model)");
+    if (models.length > 1) { $("model-name").hidden = true; picker.hidden = false; }
+  }
+
+  function modelEntry(id) { return state.models.find((m) => m.id === id) || null; }
+
+  // GET v1/models: {models} or {status, message}.
+  async function getModels() {
+    let res;
+    try {
+      res = await request("v1/models", { headers: headers() });
+    } catch (err) {
+      return { status: 0, message: err.message };
+    }
+    if (!res.ok) return { status: res.status, message: await errorMessage(res) };
+    try {
+      return { models: modelsOf((await res.json()).data) };
+    } catch (_) {
+      return { status: res.status, message: "unreadable model list" };
+    }
+  }
+
+  // The models' statuses again (the picker's notes); a failure keeps what the page showed.
+  async function refreshModels() {
+    const got = await getModels();
+    if (got.models && got.models.length) showModels(got.models);
   }
 
   async function loadModel() {
@@ -261,19 +364,53 @@
       await new Promise((r) => setTimeout(r, 1000));
     }
     status.textContent = "";
-    const res = await fetch("v1/models", { headers: headers() });
-    if (res.status === 401) {
-      $("model-name").textContent = "API key needed";
+    const got = await getModels();
+    if (got.status === 401) {
+      showBadge("API key needed");
       askForKey(state.apiKey ? "That key was refused." : "");
       return false;
     }
-    if (!res.ok) { $("model-name").textContent = await errorMessage(res); return false; }
-    const models = await res.json();
-    state.model = models.data && models.data.length ? models.data[0].id : null;
-    $("model-name").textContent = state.model || "(no model)";
+    if (!got.models) { showBadge(got.message); return false; }
+    showModels(got.models);
     $("api-key-panel").hidden = true;
     $("forget-key").hidden = !state.apiKey;
     return true;
+  }
+
+  // While a reply waits for its first token: "loading MODEL…" in the header whenever the model is not loaded,
+  // as last seen, then as GET v1/models says each second (until it says loaded). Returns the function that
+  // ends the watch (and clears what it showed).
+  function watchLoading(model) {
+    const status = $("server-status");
+    let over = false; let shown = false; let timer = null;
+    const show = (loading) => {
+      if (loading) {
+        status.textContent = `loading ${model}…`;
+        status.classList.add("loading");
+        shown = true;
+      } else if (shown) {
+        status.textContent = "";
+        status.classList.remove("loading");
+        shown = false;
+      }
+    };
+    const notLoaded = () => { const m = modelEntry(model); return m !== null && m.status !== "loaded"; };
+    const tick = async () => {
+      timer = null;
+      await refreshModels();
+      if (over) return;
+      const loading = notLoaded();
+      show(loading);
+      if (loading) timer = setTimeout(tick, 1000);
+    };
+    show(notLoaded());
+    timer = setTimeout(tick, 1000);
+    return () => {
+      if (over) return;
+      over = true;
+      if (timer !== null) clearTimeout(timer);
+      show(false);
+    };
   }
 
   // ------------------------------------------------------------------ one reply
@@ -308,8 +445,10 @@
     saveChat();
     const generation = state.generation;
     const userMessage = state.messages[state.messages.length - 1];
+    const model = typeof body.model === "string" ? body.model : null;  // the extra fields may name one
     const reply = { role: "assistant", content: "" };
-    const view = messageView("assistant", "");
+    if (model) reply.model = model;
+    const view = messageView("assistant", "", model);
     view.dataset.state = "streaming";
     scrollToEnd();
 
@@ -317,6 +456,7 @@
     state.controller = controller;
     setBusy(true);
     const started = performance.now();
+    const endWatch = model ? watchLoading(model) : () => {};
     let first = null; let chunks = 0; let usage = null; let finish = null; let pending = false;
     const redraw = () => {
       pending = false;
@@ -324,7 +464,7 @@
       scrollToEnd();
     };
     try {
-      const res = await fetch("v1/chat/completions", {
+      const res = await request("v1/chat/completions", {
         method: "POST", headers: headers(), body: JSON.stringify(body), signal: controller.signal,
       });
       if (res.status === 401) { askForKey("The server asks for an API key."); throw new Error("API key needed"); }
@@ -335,7 +475,7 @@
         for (const choice of event.choices || []) {
           const delta = choice.delta && choice.delta.content;
           if (delta) {
-            if (first === null) first = performance.now();
+            if (first === null) { first = performance.now(); endWatch(); }
             chunks++;
             reply.content += delta;
             if (!pending) { pending = true; requestAnimationFrame(redraw); }
@@ -355,9 +495,11 @@
         view.querySelector(".meta").before(note);
       }
     } finally {
+      endWatch();
       state.controller = null;
       setBusy(false);
     }
+    if (state.models.length > 1) refreshModels();  // the picker's notes: this model is loaded now, others maybe not
     redraw();
     const ended = performance.now();
     const tokens = usage ? usage.completion_tokens : chunks;
@@ -409,6 +551,13 @@
       await loadModel();
     });
     $("forget-key").addEventListener("click", () => { state.apiKey = ""; sessionStorage.removeItem(KEY_STORE); loadModel(); });
+    // Another model answers from the next request on; the conversation stays (the new model reads it all).
+    $("model-picker").addEventListener("change", () => {
+      state.model = $("model-picker").value;
+      sessionStorage.setItem(MODEL_STORE, state.model);
+      $("model-name").textContent = state.model;
+    });
+    $("model-picker").addEventListener("focus", () => { if (state.models.length > 1) refreshModels(); });
   }
 
   wire();
