@@ -280,6 +280,7 @@ class RouterConfig(_Section):
     memory_budget_mib: int | None = Field(None, ge=1, description="memory the loaded models may take together, MiB, as measured after each load (host memory the process gained; on CUDA the device memory torch reserved); a model that would not fit beside the others (its size from its last load, else its files' size) unloads idle models first, and with only busy ones left is refused with 503 and Retry-After; null = 85 % of the host memory available when the server starts")
     model_load_timeout_s: float = Field(600.0, gt=0, description="how long a request waits for its model to load; past it 503 with Retry-After (the load goes on)")
     load_retry_s: float = Field(30.0, ge=0, description="after a model failed to load, its requests get 503 model_load_failed (with the error) for this long before a request tries loading it again")
+    share_cpu_threads: bool = Field(True, description="llama.cpp models on the CPU that are busy at the same time divide its threads between them (each n_threads / busy models), and take all again when alone (ggml's threads spin-wait for each other: two engines each on every core are both slow); false = each keeps its own count")
 
     @field_validator("keep_alive", mode="before")
     @classmethod

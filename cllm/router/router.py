@@ -438,6 +438,8 @@ class Router:
     def _share_cpu(self) -> None:
         """Busy in-process llama.cpp engines on the CPU divide its threads; alone (or idle) each uses its own
         count again."""
+        if not self.config.router.share_cpu_threads:
+            return
         shareable = [s for s in self._slots if s.status is ModelStatus.LOADED and _thread_cap_of(s.engine) is not None]
         busy = [s for s in shareable if s.busy]
         for slot in shareable:
