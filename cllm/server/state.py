@@ -79,7 +79,8 @@ class ServerState:
         """(model name, engine stats) of every loaded model."""
         if self.router is None:
             return []
-        return [(spec.name, engine.stats()) for spec, engine in self.router.loaded()]
+        stats = [(spec.name, engine.stats()) for spec, engine in self.router.loaded()]
+        return [(name, s) for name, s in stats if s is not None]  # (a remote engine before its first report)
 
     async def model_for(self, request: Request, requested: str | None, *, param: str = "model",
                         keep_alive: object = None) -> LoadedModel:

@@ -26,7 +26,7 @@ def test_cllm_serve_on_its_defaults_answers_chat_and_embeddings() -> None:
         log = finish_server(server)
     # Slots and context were sized from this machine's memory (sizing.py): 2048 cells per sequence,
     # as many sequences as fit in 1/8 of the available memory, at most 64.
-    slots = int(float(re.search(r"^cllm_slots_total (\S+)$", metrics, re.M).group(1)))
+    slots = int(float(re.search(r"^cllm_slots_total\{model=\"[^\"]+\"\} (\S+)$", metrics, re.M).group(1)))
     model = LlamaModelHandle(path=resolve_model_path(None))
     per_token = model.kv_bytes_per_token("f16", "f16")
     model.close()

@@ -274,3 +274,33 @@ def test_two_busy_llama_cpp_models_divide_the_cpu_threads():
         assert _metric(srv, "cllm_compute_threads", "a") in (1.0, 2.0)
     finally:
         _finish(srv)
+
+
+def test_python_router_serves_a_gguf_on_llama_cpp_beside_a_checkpoint_on_torch(tiny_dir: Path):
+    """cllm.Router: the multi-model API in Python, on the same engines the server uses."""
+    import cllm
+
+    async def main() -> dict[str, Any]:
+        router = cllm.Router({"smol": {"model": GGUF, "n_seq_max": 2, "n_ctx": 1024},
+                              "tiny": {"model": str(tiny_dir), "n_seq_max": 2, "n_ctx": 1024}},
+                             keep_alive=-1, n_threads=1)
+        try:
+            params = cllm.SamplingParams(max_tokens=6, temperature=0)
+            outs = {}
+            for name in ("smol", "tiny", "smol"):
+                final = [o async for o in router.chat(name, HELLO, params)][-1]
+                outs.setdefault(name, []).append(final.outputs[0].token_ids)
+            statuses = {m.name: (m.status, m.backend) for m in router.models()}
+            await router.unload("tiny")
+            after = {m.name: m.status for m in router.models()}
+            with pytest.raises(cllm.ModelNotFound):
+                await router.acquire("nope")
+            return {"outs": outs, "statuses": statuses, "after": after}
+        finally:
+            await router.shutdown()
+
+    result = asyncio.run(main())
+    assert result["statuses"] == {"smol": ("loaded", "llama_cpp"), "tiny": ("loaded", "torch")}
+    assert result["after"] == {"smol": "loaded", "tiny": "unloaded"}
+    smol, tiny = result["outs"]["smol"], result["outs"]["tiny"]
+    assert smol[0] == smol[1] and len(smol[0]) == 6 and tiny[0] != smol[0]

@@ -174,8 +174,8 @@ COPY = ("Repeat the following text exactly: The quick brown fox jumps over the l
 def _drafted(server: ServerProcess) -> float:
     """Draft tokens the server's engine has verified so far (/metrics)."""
     text = server.http().get("/metrics").text
-    line = next(x for x in text.splitlines() if x.startswith("cllm_spec_decode_num_draft_tokens_total "))
-    return float(line.split()[1])
+    line = next(x for x in text.splitlines() if x.startswith("cllm_spec_decode_num_draft_tokens_total{model="))
+    return float(line.split()[-1])
 
 
 def test_speculative_false_turns_drafting_off_on_every_endpoint():

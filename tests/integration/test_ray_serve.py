@@ -250,8 +250,8 @@ def test_metrics_aggregate_the_replicas(cluster):
         """Replicas post their stats every 0.5 s and the ingress reads them every 0.5 s: wait until the
         ingress's /metrics shows the tokens and agrees with the board."""
         text = cluster.client.get(url + "/metrics").text
-        seen["metrics"] = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
-                           if line.startswith("cllm_") and " " in line and "{" not in line}
+        seen["metrics"] = {line.split("{")[0]: float(line.split(" ")[-1]) for line in text.splitlines()
+                           if line.startswith("cllm_") and "{model=" in line and "," not in line}
         seen["reports"] = board_reports()
         board_total = sum(r.stats.generation_tokens_total for r in seen["reports"])
         return len(seen["reports"]) == 2 and seen["metrics"]["cllm_generation_tokens_total"] == board_total >= 8
