@@ -41,15 +41,17 @@ def _server(*args: str) -> ServerProcess:
 async def _ttft(client: httpx.AsyncClient, model: str) -> float:
     body = {"model": model, "messages": CHAT, "max_tokens": 4, "temperature": 0, "stream": True}
     start = time.perf_counter()
+    first = None
     async with client.stream("POST", "/v1/chat/completions", json=body) as resp:
         resp.raise_for_status()
         async for line in resp.aiter_lines():
-            if line.startswith("data: {") and '"content"' in line:
-                first = time.perf_counter() - start
-                async for _ in resp.aiter_lines():
-                    pass
-                return first
-    raise RuntimeError(f"{model}: no token")
+            if first is None and line.startswith("data: {"):
+                delta = json.loads(line[6:])["choices"][0]["delta"] if '"choices"' in line else {}
+                if delta.get("content"):  # (the first chunk carries only the role)
+                    first = time.perf_counter() - start
+    if first is None:
+        raise RuntimeError(f"{model}: no token")
+    return first
 
 
 async def cold_and_warm(srv: ServerProcess, models: list[str], rounds: int) -> dict[str, dict[str, list[float]]]:
@@ -87,8 +89,16 @@ async def throughput(srv: ServerProcess, loads: dict[str, int], requests: int, m
         return sum(counts) / (time.perf_counter() - start)
 
 
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    report: dict[str, Any] = {"machine": platform.processor() or platform.machine(), "args": vars(args)}
+    report: dict[str, Any] = {"machine": _cpu_model(), "args": vars(args)}
     srv = _server("--model", f"llama={GGUF}", "--model", f"torch={GGUF}@torch", "--keep-alive", "-1",
                   "--set", "n_seq_max=2", "--set", "n_ctx=2048")
     try:
