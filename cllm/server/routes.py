@@ -159,7 +159,8 @@ def _core_state(engine: Any) -> dict[str, Any] | None:
     (None in-process)."""
     if not hasattr(engine, "num_restarts"):
         return None
-    return {"restarts": engine.num_restarts, "restarting": engine.restarting, "failure": engine.failure}
+    return {"pid": getattr(engine, "core_pid", None), "restarts": engine.num_restarts,
+            "restarting": engine.restarting, "failure": engine.failure}
 
 
 async def health(request: Request) -> JSONResponse:

@@ -304,3 +304,37 @@ def test_python_router_serves_a_gguf_on_llama_cpp_beside_a_checkpoint_on_torch(t
     assert result["after"] == {"smol": "loaded", "tiny": "unloaded"}
     smol, tiny = result["outs"]["smol"], result["outs"]["tiny"]
     assert smol[0] == smol[1] and len(smol[0]) == 6 and tiny[0] != smol[0]
+
+
+def test_each_model_has_its_own_core_process_and_a_dead_core_fails_only_its_model():
+    import os
+    import signal
+
+    srv = start_server("--model", f"a={GGUF}", "--model", f"b={GGUF}", "--keep-alive", "-1",
+                       "--set", "n_seq_max=2", "--set", "n_ctx=2048", "--set", "engine_process=on",
+                       "--log-level", "info")
+    try:
+        with srv.http(timeout=120) as client:
+            for name in ("a", "b"):
+                assert client.post(f"/v1/models/{name}/load").status_code == 200
+            cores = {n: client.get("/v1/engine", params={"model": n}).json()["engine_core"] for n in ("a", "b")}
+            pids = {n: c["pid"] for n, c in cores.items()}
+            assert pids["a"] != pids["b"] and os.getpid() not in pids.values()
+            memory = {m["name"]: m["memory_mib"] for m in client.get("/v1/engine").json()["models"]}
+            assert all(mib > 50 for mib in memory.values()), memory  # each core's own resident memory
+            os.kill(pids["a"], signal.SIGKILL)
+            reply = client.post("/v1/completions", json={"model": "b", "prompt": "Hi", "max_tokens": 4})
+            assert reply.status_code == 200  # b never noticed
+            deadline = time.monotonic() + 60
+            while True:  # a's supervisor starts a new core; until then its requests get 503, never b's
+                reply = client.post("/v1/completions", json={"model": "a", "prompt": "Hi", "max_tokens": 4})
+                if reply.status_code == 200:
+                    break
+                assert reply.status_code == 503, reply.text
+                assert time.monotonic() < deadline
+                time.sleep(0.5)
+            core = client.get("/v1/engine", params={"model": "a"}).json()["engine_core"]
+            assert core["restarts"] == 1 and core["pid"] != pids["a"]
+            assert client.get("/health").json()["status"] == "ok"
+    finally:
+        _finish(srv)
