@@ -24,6 +24,7 @@ from cllm.cluster.stats_board import BOARD_NAME
 from cllm.cluster.transport import HOLDER_NAME
 from cllm.config import CllmConfig, parse_pd
 from cllm.engine.llm import make_config
+from cllm.router import declared_models
 
 log = logging.getLogger("cllm.cluster")
 APP_NAME = "cllm"
@@ -45,7 +46,17 @@ def build_app(config: CllmConfig) -> Any:
             request_router_kwargs={"max_imbalance": cluster.route_max_imbalance},
         ),
     )
-    if cluster.pd is not None:
+    models = None
+    specs = declared_models(config)
+    if config.models or config.router.models_dir:
+        # Several models: a replica set each (prefix-aware routing then keys by model and prefix: each
+        # deployment has its own router), all loaded for the application's life.
+        models = {spec.name: engine.options(
+            name=f"cllm-engine-{i}", num_replicas=cluster.replicas,
+            ray_actor_options={"num_cpus": spec.config.model.n_threads or 1},
+        ).bind(spec.config.model_dump(), "both", spec.name) for i, spec in enumerate(specs)}
+        engines = decoders = None
+    elif cluster.pd is not None:
         prefill, decode = parse_pd(cluster.pd)
         engines = engine.options(name="cllm-prefill", num_replicas=prefill).bind(nested, "prefill")
         decoders = engine.options(name="cllm-decode", num_replicas=decode).bind(nested, "decode")
@@ -56,7 +67,7 @@ def build_app(config: CllmConfig) -> Any:
         name="cllm-ingress", num_replicas=1, ray_actor_options={"num_cpus": 0},
         max_ongoing_requests=max(1000, cluster.max_ongoing_requests * cluster.replicas),
     )
-    return ingress.bind(nested, engines, decoders)
+    return ingress.bind(nested, engines, decoders, models)
 
 
 def init_ray(config: CllmConfig) -> None:

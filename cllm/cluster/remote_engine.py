@@ -64,8 +64,9 @@ class RemoteEngine:
     resolve_max_tokens = LLMEngine.resolve_max_tokens
 
     def __init__(self, config: CllmConfig, info: dict[str, Any], engines: Any, decoders: Any | None,
-                 board: Any, tokenizer: Tokenizer, holder: HolderClient | None = None) -> None:
+                 board: Any, tokenizer: Tokenizer, holder: HolderClient | None = None, model: str = "") -> None:
         self.config = config
+        self._model = model  # the declared model whose replicas' reports are this engine's
         self.tokenizer = tokenizer
         self.max_model_len: int = info["max_model_len"]
         self.model_name: str = info["model_name"]
@@ -98,7 +99,7 @@ class RemoteEngine:
         return list(self._reports)
 
     async def refresh_stats(self) -> None:
-        self._reports = await self._board.reports.remote()
+        self._reports = [r for r in await self._board.reports.remote() if r.model == self._model]
 
     async def _poll_stats(self) -> None:
         while True:

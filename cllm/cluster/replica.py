@@ -75,8 +75,9 @@ def serve_replica_id() -> str | None:
 class EngineReplica:
     """One engine replica. ``role``: "both", "prefill" or "decode"."""
 
-    async def __init__(self, config: dict[str, Any], role: str = "both") -> None:
+    async def __init__(self, config: dict[str, Any], role: str = "both", model: str = "") -> None:
         cfg = CllmConfig.model_validate(config)
+        self.model = model  # the declared model this replica serves (its reports say so)
         engine = AsyncLLM(config=cfg)
         engine.start()
         name = ray.get_runtime_context().get_actor_id() or f"pid-{os.getpid()}"
@@ -274,7 +275,7 @@ class EngineReplica:
     async def _post_stats(self) -> None:
         for period in itertools.count():
             report = ReplicaReport(self._replica, self.role, os.getpid(), self.engine.stats(),
-                                   self.engine.running_requests())
+                                   self.engine.running_requests(), model=getattr(self, "model", ""))
             with contextlib.suppress(Exception):
                 await self._board.post.remote(report)
             self._expire_receivers()

@@ -26,6 +26,7 @@ class ReplicaReport:
     stats: EngineStats  # engine stats at post time
     running: list[RunningRequestInfo]  # live requests at post time
     posted_at: float = 0.0  # board clock (time.time) when it arrived
+    model: str = ""  # the declared model it serves ("" on a single-model application)
 
 
 @ray.remote(num_cpus=0)

@@ -119,9 +119,9 @@ def declared_models(config: CllmConfig, flags: list[ModelEntry] | None = None) -
     if config.server.served_model_name:
         raise ValueError("served_model_name names the one model of a single-model server; with declared models "
                          "give each its name (and aliases) in its entry")
-    if config.cluster.replicas > 1 or config.cluster.pd is not None:
-        raise ValueError("several declared models on Ray Serve replicas (--replicas/--pd) are not supported yet; "
-                         "serve them from one process, or one model per replica set")
+    if config.cluster.pd is not None:
+        raise ValueError("several declared models with a prefill/decode split (--pd) are not supported yet; "
+                         "use --replicas N (each model gets N replicas) or serve one model per application")
     specs = [_spec_of(entry, config) for entry in entries]
     seen: dict[str, str] = {}
     for spec in specs:

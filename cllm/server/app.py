@@ -1,6 +1,7 @@
 """The FastAPI app (`create_app`) and the uvicorn process around it (`run_server`)."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import signal
 import sys
@@ -11,7 +12,7 @@ import uvicorn
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
-from cllm.config import CllmConfig
+from cllm.config import KEEP_FOREVER, CllmConfig
 from cllm.server.access_log import AccessLogMiddleware, AccessRecord
 from cllm.server.anthropic_errors import AnthropicErrorMiddleware
 from cllm.router import declared_models
@@ -33,20 +34,24 @@ log = logging.getLogger("cllm.server")
 _CONNECTION_GRACE_MARGIN_S = 3.0
 
 
-def create_app(config: CllmConfig, engine: Any | None = None) -> FastAPI:
+def create_app(config: CllmConfig, engine: Any | None = None, engines: dict[str, Any] | None = None) -> FastAPI:
     """The OpenAI-compatible app.
 
     With ``engine`` None the app builds ``AsyncLLM(config=config)`` in a thread at
     startup (``/health`` answers 503 until it is ready); a given engine is
-    started at startup and shut down with the app. All state lives on
-    ``app.state.cllm`` — two apps in one process share nothing.
+    started at startup and shut down with the app. ``engines`` (by declared model
+    name: Ray Serve's replica sets) are the models of a multi-model app, loaded
+    for its whole life. All state lives on ``app.state.cllm`` — two apps in one
+    process share nothing.
     """
-    state = ServerState(config=config, specs=declared_models(config),
-                        single=not (config.models or config.router.models_dir))
+    specs = declared_models(config)
+    if engines is not None:
+        specs = [dataclasses.replace(s, keep_alive_s=KEEP_FOREVER, preload=True) for s in specs]
+    state = ServerState(config=config, specs=specs, single=not (config.models or config.router.models_dir))
     app = FastAPI(
         title="cllm",
         summary="OpenAI-compatible LLM server with continuous batching",
-        lifespan=lifespan_for(state, engine),
+        lifespan=lifespan_for(state, engine, engines),
         docs_url="/docs",
         redoc_url=None,
     )

@@ -58,9 +58,12 @@ def _served(config: CllmConfig, spec: ModelSpec, engine: Any) -> LoadedModel:
                        aliases=spec.aliases)
 
 
-def make_router(state: ServerState, engine: Any | None) -> Router:
-    """The server's router over its declared models (a given engine serves the one model)."""
+def make_router(state: ServerState, engine: Any | None, engines: dict[str, Any] | None = None) -> Router:
+    """The server's router over its declared models (a given engine serves the one model; given engines,
+    theirs)."""
     construct = (lambda spec: engine) if engine is not None else _construct
+    if engines is not None:
+        construct = lambda spec: engines[spec.name]  # noqa: E731
     return Router(config=state.config, specs=state.specs, construct=construct,
                   wrap=lambda spec, eng: _served(state.config, spec, eng), revive_dead=not state.single)
 
@@ -132,14 +135,14 @@ async def finish_shutdown(state: ServerState) -> None:
     log.info("shutdown complete")
 
 
-def lifespan_for(state: ServerState, engine: Any | None) -> Any:
+def lifespan_for(state: ServerState, engine: Any | None, engines: dict[str, Any] | None = None) -> Any:
     """The FastAPI lifespan: load the models at startup (in the background), drain at shutdown."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         state.loop = asyncio.get_running_loop()
-        state.router = make_router(state, engine)
-        if engine is not None:
+        state.router = make_router(state, engine, engines)
+        if engine is not None or engines is not None:
             await start_models(state)  # a given engine is ready at once (its server is up when startup ends)
         else:
             state.load_task = asyncio.create_task(start_models(state))

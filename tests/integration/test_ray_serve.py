@@ -45,13 +45,13 @@ class Cluster:
     kind: str = ""  # "colocated" or "pd"
     client: httpx.Client = field(default_factory=lambda: httpx.Client(timeout=120))
 
-    def deploy(self, kind: str, **settings: object) -> str:
+    def deploy(self, kind: str, config: object = None, **settings: object) -> str:
         if self.kind == kind:
             return self.url
         if self.kind:
             cluster_app.stop()
             wait_for(lambda: len(board_reports()) == 0, "old replicas to leave the stats board", 60)
-        self.url = cluster_app.serve_ray(port=self.port, blocking=False, **ENGINE, **settings)
+        self.url = cluster_app.serve_ray(config=config, port=self.port, blocking=False, **ENGINE, **settings)
         self.kind = kind
         wait_for(lambda: self.client.get(self.url + "/health").status_code == 200, "the endpoint", 120)
         return self.url
@@ -356,3 +356,30 @@ def test_killing_the_chunk_holder_mid_pd_hangs_no_request(cluster):
     assert verdicts.holder_kill_failures(result) == [], result
     assert ray.get_actor(HOLDER_NAME, namespace=cluster_app.NAMESPACE) is not None  # resolved again by name
     assert cluster.complete("After the holder died,", 8)["choices"][0]["finish_reason"] == "length"
+
+
+def test_several_declared_models_get_a_replica_set_each(cluster, reference):
+    """Issue 44 item 7: `--replicas` with declared models: every model has its replicas, requests route by
+    their `model` (prefix-aware routing per model: each model's deployment has its own router), /metrics
+    and /v1/models say each model."""
+    from cllm.config import ModelEntry, load_config
+    from cllm.model_path import default_model_path
+
+    gguf = str(default_model_path())
+    config = load_config(None, environ={}).model_copy(update={"models": [
+        ModelEntry(name="a", model=gguf), ModelEntry(name="b", model=gguf, aliases=["bee"])]})
+    url = cluster.deploy("models", config=config)
+    expected = greedy(reference, "The capital of France is", 8)
+    for name, served in (("a", "a"), ("bee", "b"), ("b", "b")):
+        reply = cluster.complete("The capital of France is", 8, model=name)
+        assert reply["model"] == served and reply["choices"][0]["text"] == expected
+    cards = {c["id"]: c for c in cluster.client.get(url + "/v1/models").json()["data"]}
+    assert set(cards) == {"a", "b", "bee"} and all(c["status"] == "loaded" for c in cards.values())
+    missing = cluster.client.post(url + "/v1/completions", json={"model": "c", "prompt": "x"})
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+    assert {r.model for r in board_reports()} == {"a", "b"}
+
+    def per_model_metrics() -> bool:
+        text = cluster.client.get(url + "/metrics").text
+        return all(f'cllm_generation_tokens_total{{model="{m}"}}' in text for m in ("a", "b"))
+    wait_for(per_model_metrics, "each model's engine metrics", 30)
