@@ -32,7 +32,7 @@ def host_available_bytes() -> int | None:
     return None
 
 
-def _cuda_reserved() -> int:
+def cuda_reserved_bytes() -> int:
     """Device memory torch holds in this process (0 when torch or CUDA is not in use)."""
     torch = sys.modules.get("torch")  # never imported here for a llama.cpp-only server
     if torch is None or not torch.cuda.is_available() or not torch.cuda.is_initialized():
@@ -49,16 +49,17 @@ class MemoryMark:
 
     @classmethod
     def now(cls) -> MemoryMark:
-        return cls(rss_bytes(), _cuda_reserved())
+        return cls(rss_bytes(), cuda_reserved_bytes())
 
     def taken_by(self, engine: Any) -> int:
         """The bytes ``engine`` holds, loaded since this mark: an engine core in its own process, that
-        process's resident memory; else what this process gained (host + device)."""
+        process's resident memory plus the device memory it reported; else what this process gained (host
+        + device)."""
         pid = getattr(engine, "core_pid", None)
         if pid is not None:
-            return rss_bytes(pid) or 0
+            return (rss_bytes(pid) or 0) + getattr(engine, "device_memory_bytes", 0)
         host = (rss_bytes() or 0) - (self.rss or 0) if self.rss is not None else 0
-        return max(0, host) + max(0, _cuda_reserved() - self.cuda)
+        return max(0, host) + max(0, cuda_reserved_bytes() - self.cuda)
 
 
 def files_bytes(path: str | None) -> int:
