@@ -26,7 +26,7 @@ import logging
 import math
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from cllm.config import KEEP_FOREVER, CllmConfig, ModelEntry, load_config

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any
 
 from fastapi import APIRouter
@@ -31,7 +30,7 @@ from cllm.server.protocol import (
 )
 from cllm.server.responses import create_response, delete_response, get_response, list_input_items
 from cllm.router import ModelInfo, ModelUnavailable, Router
-from cllm.server.state import Phase, ServerState, get_state
+from cllm.server.state import Phase, ServerState, get_state, unavailable_error
 from cllm.server.token_pieces import token_pieces
 from cllm.server.tokens import encode_prompt
 
@@ -82,7 +81,7 @@ async def load_model(model_id: str, request: Request) -> dict[str, Any]:
     try:
         info = await state.router.load(spec.name)
     except ModelUnavailable as err:
-        raise _unavailable_error(err) from None
+        raise unavailable_error(err) from None
     return {"model": _model_report(info)}
 
 
@@ -99,11 +98,6 @@ async def unload_model(model_id: str, request: Request) -> dict[str, Any]:
     except ModelUnavailable as err:
         raise APIError(409, str(err), code=err.code) from None
     return {"model": _model_report(info)}
-
-
-def _unavailable_error(err: ModelUnavailable) -> APIError:
-    headers = {"Retry-After": str(math.ceil(err.retry_after_s))} if err.retry_after_s else None
-    return APIError(503, str(err), code=err.code, headers=headers)
 
 
 def _model_report(info: ModelInfo) -> dict[str, Any]:

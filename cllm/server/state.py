@@ -104,8 +104,7 @@ class ServerState:
         try:
             lease = await self.router.acquire(requested, keep_alive_s=keep_s)
         except ModelUnavailable as err:
-            headers = {"Retry-After": str(math.ceil(err.retry_after_s))} if err.retry_after_s else None
-            raise APIError(503, str(err), code=err.code, headers=headers) from None
+            raise unavailable_error(err) from None
         request.scope.setdefault("state", {}).setdefault(LEASES_KEY, []).append(lease)
         served: LoadedModel = lease.served
         return served
@@ -128,6 +127,12 @@ class ServerState:
         message, code = reasons.get(self.phase, ("engine unavailable", "engine_unavailable"))
         headers = {"Retry-After": "2"} if self.phase is Phase.LOADING else None
         return APIError(503, message, code=code, headers=headers)
+
+
+def unavailable_error(err: ModelUnavailable) -> APIError:
+    """A model that cannot take a request now: 503 with its code and Retry-After."""
+    headers = {"Retry-After": str(math.ceil(err.retry_after_s))} if err.retry_after_s else None
+    return APIError(503, str(err), code=err.code, headers=headers)
 
 
 def get_state(request: Request) -> ServerState:
