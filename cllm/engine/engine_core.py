@@ -49,7 +49,7 @@ from cllm.server.client_quota import compile_quota
 from cllm.structured.limits import CompileBusyError, charge_compiles_to
 from cllm.gc_freeze import freeze_live_objects
 from cllm.outputs import RequestOutput, merge_outputs
-from cllm.router.memory import cuda_reserved_bytes
+from cllm.router.memory import cuda_reserved_bytes, cuda_total_bytes
 
 log = logging.getLogger("cllm.engine")
 COMPILE_POLL_S = 0.005  # how often an idle core looks at grammar compiles in flight
@@ -109,7 +109,7 @@ def _ready(engine: LLMEngine, config: CllmConfig) -> CoreReady:
     tokenizer: Any = None if engine.backend.name == "llama_cpp" else engine.tokenizer
     return CoreReady(tokenizer, engine.max_model_len, async_llm.model_name_of(engine), device_text(_Holder(engine), config),
                      engine.backend.capacity.max_num_seqs, (engine.stats(), engine.running_requests()),
-                     engine.backend.determinism, cuda_reserved_bytes())
+                     engine.backend.determinism, cuda_reserved_bytes(), cuda_total_bytes())
 
 
 @dataclass(slots=True)

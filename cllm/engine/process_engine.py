@@ -136,6 +136,7 @@ class ProcessEngine:
         self.device_text = ready.device_text
         self.determinism = ready.determinism
         self.device_memory_bytes = ready.device_memory_bytes  # what the core's load took on the GPU (router)
+        self.device_total_bytes = ready.device_total_bytes
         self.max_num_seqs = ready.max_num_seqs
         self._snapshot: Snapshot = ready.snapshot
         self._streams: dict[str, _Stream] = {}

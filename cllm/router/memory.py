@@ -32,12 +32,34 @@ def host_available_bytes() -> int | None:
     return None
 
 
+def _cuda() -> Any | None:
+    """torch's CUDA module where this process already uses CUDA (never imported or initialised here: a
+    llama.cpp-only server has no torch, and a CUDA context costs device memory)."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return None
+    return torch.cuda
+
+
 def cuda_reserved_bytes() -> int:
     """Device memory torch holds in this process (0 when torch or CUDA is not in use)."""
-    torch = sys.modules.get("torch")  # never imported here for a llama.cpp-only server
-    if torch is None or not torch.cuda.is_available() or not torch.cuda.is_initialized():
-        return 0
-    return sum(torch.cuda.memory_reserved(d) for d in range(torch.cuda.device_count()))
+    cuda = _cuda()
+    return 0 if cuda is None else sum(cuda.memory_reserved(d) for d in range(cuda.device_count()))
+
+
+def cuda_total_bytes() -> int:
+    """The memory of the device(s) this process uses (0 when it uses none)."""
+    cuda = _cuda()
+    return 0 if cuda is None else sum(cuda.mem_get_info(d)[1] for d in range(cuda.device_count()))
+
+
+@dataclass(slots=True, frozen=True)
+class Footprint:
+    """What a loaded model holds."""
+
+    host: int  # bytes of host memory
+    device: int  # bytes of device memory (0 on a CPU)
+    device_total: int  # the device's size, where it has one (0 on a CPU)
 
 
 @dataclass(slots=True, frozen=True)
@@ -51,15 +73,15 @@ class MemoryMark:
     def now(cls) -> MemoryMark:
         return cls(rss_bytes(), cuda_reserved_bytes())
 
-    def taken_by(self, engine: Any) -> int:
-        """The bytes ``engine`` holds, loaded since this mark: an engine core in its own process, that
-        process's resident memory plus the device memory it reported; else what this process gained (host
-        + device)."""
+    def taken_by(self, engine: Any) -> Footprint:
+        """What ``engine``, loaded since this mark, holds: an engine core in its own process, that process's
+        resident memory and the device memory it reported; else what this process gained."""
         pid = getattr(engine, "core_pid", None)
         if pid is not None:
-            return (rss_bytes(pid) or 0) + getattr(engine, "device_memory_bytes", 0)
+            return Footprint(rss_bytes(pid) or 0, getattr(engine, "device_memory_bytes", 0),
+                             getattr(engine, "device_total_bytes", 0))
         host = (rss_bytes() or 0) - (self.rss or 0) if self.rss is not None else 0
-        return max(0, host) + max(0, cuda_reserved_bytes() - self.cuda)
+        return Footprint(max(0, host), max(0, cuda_reserved_bytes() - self.cuda), cuda_total_bytes())
 
 
 def files_bytes(path: str | None) -> int:

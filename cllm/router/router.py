@@ -38,6 +38,7 @@ log = logging.getLogger("cllm.router")
 _BUDGET_SHARE = 0.85  # memory_budget_mib: null = this share of the host memory available at start
 _CAPACITY_RETRY_S = 5  # Retry-After when every loaded model is busy
 _LOADING_RETRY_S = 5  # Retry-After when a load outlasts model_load_timeout_s
+_DEVICE_SHARE = 0.97  # the models on a device may take this share of it together (the rest: CUDA contexts)
 
 
 class ModelStatus(str, enum.Enum):
@@ -78,7 +79,8 @@ class _Slot:
     leases: int = 0  # callers using it now (it is busy while > 0)
     last_used: float = 0.0  # time.monotonic() of the latest acquire or release
     keep_alive_s: float = 0.0  # how long it stays after its last lease (the last request's choice)
-    memory_bytes: int | None = None  # measured at its last load
+    memory_bytes: int | None = None  # host memory, measured at its last load
+    device_bytes: int = 0  # device memory, measured at its last load (0: none, or never loaded)
     load_seconds: float | None = None  # how long its last load took
     failure: str | None = None  # why its last load failed
     failed_at: float = 0.0
@@ -102,7 +104,8 @@ class ModelInfo:
     status: str
     busy: int  # leases in flight
     keep_alive_s: float  # -1: never unloaded
-    memory_mib: float | None  # measured at its last load
+    memory_mib: float | None  # host memory, measured at its last load
+    device_mib: float | None  # device memory, measured at its last load
     load_seconds: float | None
     failure: str | None
     max_model_len: int | None  # while loaded
@@ -177,6 +180,7 @@ class Router:
         budget = base.router.memory_budget_mib
         self.memory_budget = budget << 20 if budget is not None else (
             int(available * _BUDGET_SHARE) if available is not None else None)
+        self.device_total = 0  # the GPU's memory, once a loaded model reported one
 
     # ------------------------------------------------------------------ names
     @property
@@ -210,7 +214,8 @@ class Router:
         return ModelInfo(
             name=slot.spec.name, aliases=slot.spec.aliases, backend=slot.spec.backend, path=slot.spec.path,
             status=slot.status.value, busy=slot.leases, keep_alive_s=slot.keep_alive_s,
-            memory_mib=mib(slot.memory_bytes), load_seconds=slot.load_seconds, failure=slot.failure,
+            memory_mib=mib(slot.memory_bytes), device_mib=mib(slot.device_bytes), load_seconds=slot.load_seconds,
+            failure=slot.failure,
             max_model_len=slot.engine.max_model_len if slot.engine is not None else None,
             thread_share=slot.thread_share,
         )
@@ -339,12 +344,14 @@ class Router:
                 started = time.monotonic()
                 engine = await asyncio.to_thread(self._construct, slot.spec)
                 engine.start()
-                slot.memory_bytes = mark.taken_by(engine)
+                footprint = mark.taken_by(engine)
+                slot.memory_bytes, slot.device_bytes = footprint.host, footprint.device
+                self.device_total = footprint.device_total or self.device_total
                 slot.load_seconds = round(time.monotonic() - started, 2)
                 slot.served = self._wrap(slot.spec, engine)
                 slot.engine, slot.status, slot.failure = engine, ModelStatus.LOADED, None
-                log.info("model %r loaded in %.1f s (%s MiB)", slot.spec.name, slot.load_seconds,
-                         mib(slot.memory_bytes))
+                log.info("model %r loaded in %.1f s (%s MiB, %s MiB on the device)", slot.spec.name,
+                         slot.load_seconds, mib(slot.memory_bytes), mib(slot.device_bytes))
         except ModelUnavailable:
             slot.status = ModelStatus.UNLOADED
             raise
@@ -359,27 +366,44 @@ class Router:
                 await self._unload_now(slot, reason="shutting down")
 
     async def _make_room(self, slot: _Slot) -> None:
-        """Unload idle models, least recently used first, until ``slot`` fits (count and memory); with only
-        busy ones left, ModelUnavailable."""
+        """Unload idle models, least recently used first, until ``slot`` fits (count, host memory, device
+        memory); with only busy ones left, ModelUnavailable."""
         limit = self.config.router.max_loaded_models
         need = slot.memory_bytes if slot.memory_bytes is not None else files_bytes(slot.spec.path)
+        need_device = self._device_need(slot)
         while True:
             others = [s for s in self._slots if s.status is ModelStatus.LOADED and s is not slot]
             used = sum(s.memory_bytes or 0 for s in others)
+            used_device = sum(s.device_bytes for s in others)
             too_many = len(others) >= limit
             too_big = self.memory_budget is not None and bool(others) and used + need > self.memory_budget
-            if not (too_many or too_big):
+            too_big_device = need_device > 0 and used_device + need_device > self.device_total * _DEVICE_SHARE
+            if not (too_many or too_big or too_big_device):
                 return
-            idle = [s for s in others if not s.busy]
+            # a device shortage alone is helped only by unloading models on the device
+            idle = [s for s in others if not s.busy and (too_many or too_big or s.device_bytes > 0)]
             if not idle:
                 why = (f"{len(others)} models are loaded (max_loaded_models={limit})" if too_many else
                        f"it needs ~{mib(need)} MiB beside the {mib(used)} MiB loaded (memory budget "
-                       f"{mib(self.memory_budget)} MiB)")
+                       f"{mib(self.memory_budget)} MiB)" if too_big else
+                       f"it needs ~{mib(need_device)} MiB of the device beside the {mib(used_device)} MiB loaded "
+                       f"there (of {mib(self.device_total)} MiB)")
                 raise ModelUnavailable(f"cannot load the model {slot.spec.name!r} now: {why} and every one of them "
                                        "is serving requests; retry shortly", code="model_capacity",
                                        retry_after_s=_CAPACITY_RETRY_S)
             victim = min(idle, key=lambda s: s.last_used)
             await self._unload_now(victim, reason=f"to make room for {slot.spec.name!r}")
+
+    def _device_need(self, slot: _Slot) -> int:
+        """The device memory ``slot`` will take: measured at its last load; before that, for a torch model
+        not pinned to the CPU while a device is in use, its gpu_memory_utilization share of the device (what
+        its KV pool grows to); else none."""
+        if slot.device_bytes:
+            return slot.device_bytes
+        config = slot.spec.config
+        if self.device_total and config.model.backend == "torch" and config.torch.device != "cpu":
+            return int(config.torch.gpu_memory_utilization * self.device_total)
+        return 0
 
     async def _unload_now(self, slot: _Slot, *, reason: str) -> None:
         """Shut the slot's engine down (its requests, if any, aborted) and free it. Call under the lock."""

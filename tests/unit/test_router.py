@@ -205,6 +205,39 @@ def test_the_memory_budget_evicts_by_measured_size():
     asyncio.run(main())
 
 
+def test_device_room_is_made_from_idle_device_models_only():
+    """Torch models on one GPU, each sized to its gpu_memory_utilization share of it: one more that would
+    not fit is refused while the others are busy (never a load that runs the device out of memory), and
+    makes room by unloading idle models on the device, not host-only ones."""
+    async def main() -> None:
+        loads = Loads()
+        gpu = fake_config(backend="torch")
+        specs = [ModelSpec(name=n, aliases=(n,), config=c, keep_alive_s=KEEP_FOREVER, preload=False)
+                 for n, c in (("cpu-model", fake_config()), ("g1", gpu), ("g2", gpu.with_overrides(
+                     gpu_memory_utilization=0.4)), ("g3", gpu.with_overrides(gpu_memory_utilization=0.4)))]
+        router = Router(config=fake_config(max_loaded_models=8), specs=specs, construct=loads)
+        slots = {s.spec.name: s for s in router._slots}
+        (await router.acquire("cpu-model")).release()
+        busy = await router.acquire("g1")
+        slots["g1"].device_bytes, router.device_total = 90, 100  # as its load measured and reported
+        with pytest.raises(ModelUnavailable, match="of the device") as info:
+            await router.acquire("g2")  # 40 beside g1's 90 > 97, and g1 is busy: refused, nothing unloaded
+        assert info.value.code == "model_capacity"
+        assert {n: s.status.value for n, s in slots.items()} == {
+            "cpu-model": "loaded", "g1": "loaded", "g2": "unloaded", "g3": "unloaded"}
+        busy.release()
+        (await router.acquire("g2")).release()  # g1 idle now: it goes, the host-only model stays
+        slots["g2"].device_bytes = 40
+        assert {n: s.status.value for n, s in slots.items()} == {
+            "cpu-model": "loaded", "g1": "unloaded", "g2": "loaded", "g3": "unloaded"}
+        (await router.acquire("g3")).release()  # 40 + 40 <= 97: both stay
+        assert slots["g2"].status.value == slots["g3"].status.value == "loaded"
+        info_of = {m.name: m for m in router.models()}
+        assert info_of["g2"].device_mib is not None
+        await router.shutdown()
+    asyncio.run(main())
+
+
 def test_a_model_that_fails_to_load_fails_alone_and_is_retried_later():
     async def main() -> None:
         loads = Loads()
