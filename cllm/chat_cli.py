@@ -183,8 +183,12 @@ class RemoteModel:
         if res.status_code != 200:
             raise RuntimeError(f"GET {self.base}/models answered {res.status_code}: {res.text[:300]}")
         data = res.json().get("data") or []
+        names = [card.get("id") for card in data]
         if not self.name:
             self.name = data[0]["id"] if data else "model"
+        elif names and self.name not in names:
+            raise RuntimeError(f"{self.base} serves no model {self.name!r}; it serves "
+                               + ", ".join(repr(n) for n in names))
 
     async def reply(self, messages: list[dict[str, str]], sampling: dict[str, Any],
                     on_text: Callable[[str], None]) -> ReplyStats:

@@ -93,7 +93,7 @@ def chat(
     url: Optional[str] = typer.Option(None, "--url", help="a running server, e.g. http://127.0.0.1:8000 (default: load the model in this process)"),
     api_key: Optional[str] = typer.Option(None, "--api-key", envvar="CLLM_API_KEY", help="the server's API key (with --url)"),
     backend: Optional[str] = BackendOpt,
-    model: Optional[str] = ModelOpt,
+    model: Optional[str] = typer.Option(None, "--model", "-m", help="GGUF file or HF model directory (in-process; default: embedded SmolLM2-135M); with --url, the name of the server's model to talk to (default: its first)"),
     config: Optional[Path] = ConfigOpt,
     system: Optional[str] = typer.Option(None, "--system", help="system prompt (/system changes it later)"),
     temperature: Optional[float] = typer.Option(None, "--temperature", help="0 = greedy (default 0.7; /set changes it)"),
@@ -112,7 +112,8 @@ def chat(
         cfg = _config(config, sets, backend=backend, model=model, n_threads=n_threads, n_ctx=n_ctx, n_seq_max=n_seq_max)
     sampling = {k: v for k, v in {"temperature": temperature, "max_tokens": max_tokens, "seed": seed}.items()
                 if v is not None}
-    raise typer.Exit(run_chat(url=url, api_key=api_key, config=cfg, system=system, sampling=sampling))
+    raise typer.Exit(run_chat(url=url, api_key=api_key, config=cfg, system=system, sampling=sampling,
+                              model_name=model if url is not None else None))
 
 
 @app.command()

@@ -338,3 +338,20 @@ def test_each_model_has_its_own_core_process_and_a_dead_core_fails_only_its_mode
             assert client.get("/health").json()["status"] == "ok"
     finally:
         _finish(srv)
+
+
+def test_cllm_chat_talks_to_the_model_it_names(server: ServerProcess):
+    import subprocess
+    import sys
+
+    def chat(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "cllm", "chat", "--url", server.base_url, *args,
+                               "--max-tokens", "4", "--temperature", "0"], input=b"hi\n", capture_output=True,
+                              timeout=120)
+    before = _metric(server, "cllm_generation_tokens_total", "tiny")
+    done = chat("--model", "tiny")
+    assert done.returncode == 0, done.stderr.decode()
+    assert "[4 tokens" in done.stderr.decode()
+    assert _metric(server, "cllm_generation_tokens_total", "tiny") == before + 4  # tiny's engine wrote them
+    wrong = chat("--model", "nope")
+    assert wrong.returncode != 0 and "serves no model 'nope'" in wrong.stderr.decode()
