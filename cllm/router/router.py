@@ -260,7 +260,8 @@ class Router:
                     return
                 log.error("model %r: its engine died (%s); loading it again", slot.spec.name,
                           getattr(slot.engine, "failure", None) or "no reason given")
-                await self._unload_now(slot, reason="its engine died")
+                async with self._lock:
+                    await self._unload_now(slot, reason="its engine died")
                 continue
             if slot.status is ModelStatus.FAILED:
                 wait = slot.failed_at + self.config.router.load_retry_s - time.monotonic()
