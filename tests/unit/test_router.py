@@ -275,6 +275,32 @@ def test_a_load_longer_than_the_timeout_is_a_retry_later_and_goes_on():
     asyncio.run(main())
 
 
+def test_a_declared_model_whose_engine_died_is_loaded_again_on_its_next_request():
+    async def main() -> None:
+        loads = Loads()
+        router = _router(loads, "a")
+        lease = await router.acquire("a")
+        engine = lease.engine
+
+        def broken_step():
+            raise RuntimeError("simulated engine bug")
+        engine.engine.step = broken_step
+        with pytest.raises(Exception):
+            async for _ in engine.generate("x", SamplingParams(max_tokens=2)):
+                pass
+        lease.release()
+        deadline = time.monotonic() + 10
+        while engine.is_running and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        again = await router.acquire("a")
+        assert again.engine is not engine and loads.built == ["a", "a"]
+        outs = [o async for o in again.engine.generate("x", SamplingParams(max_tokens=2))]
+        assert outs[-1].finished
+        again.release()
+        await router.shutdown()
+    asyncio.run(main())
+
+
 class _SharingBackend:
     """What the router sees of an in-process llama.cpp backend: its thread count and share_cpu."""
 
