@@ -92,6 +92,9 @@ async def unload_model(model_id: str, request: Request) -> dict[str, Any]:
     if state.router is None:
         raise state._unavailable()
     spec = state.check_model(model_id, param="model_id")
+    if state.single:
+        raise APIError(409, f"the model {spec.name!r} is this server's only model (none declared): it stays "
+                            "loaded for the server's life", code="model_pinned")
     force = request.query_params.get("force", "false").lower() in ("1", "true", "yes")
     try:
         info = await state.router.unload(spec.name, force=force)

@@ -29,8 +29,9 @@ def test_fuzzing_gets_no_5xx_and_the_server_still_serves(fuzz_server: ServerProc
     result = run_fuzz(fuzz_server, examples_per_operation=60)
     assert sorted(result.operations) == ["/detokenize", "/tokenize", "/v1/chat/completions",
                                           "/v1/chat/completions/input_tokens", "/v1/completions", "/v1/embeddings",
-                                          "/v1/messages", "/v1/messages/count_tokens", "/v1/responses",
-                                          "/v1/responses/input_tokens"]
+                                          "/v1/messages", "/v1/messages/count_tokens",
+                                          "/v1/models/{model_id}/load", "/v1/models/{model_id}/unload",
+                                          "/v1/responses", "/v1/responses/input_tokens"]
     assert verdicts.fuzz_failures(result) == []
 
 

@@ -429,3 +429,15 @@ def test_server_unload_of_a_busy_model_is_a_409_and_a_lease_lasts_the_whole_stre
             time.sleep(0.01)
         assert seen_busy == [1] and next(m.busy for m in state.router.models() if m.name == "a") == 0
         assert client.post("/v1/models/a/unload").status_code == 200
+
+
+def test_a_single_model_server_keeps_its_model_and_lists_it_loaded():
+    config = fake_config()
+    app = create_app(config, engine=cllm.AsyncLLM(backend=FakeBackend(slots=2), config=config))
+    with TestClient(app, base_url="http://localhost") as client:
+        (card,) = client.get("/v1/models").json()["data"]
+        assert (card["status"], card["loaded"], card["root"]) == ("loaded", True, card["id"])
+        refused = client.post(f"/v1/models/{card['id']}/unload")
+        assert refused.status_code == 409 and refused.json()["error"]["code"] == "model_pinned"
+        assert client.get("/health").json() == {"status": "ok"}
+        assert client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}).status_code == 200
