@@ -365,6 +365,8 @@ class Router:
         if self._closing and slot.status is ModelStatus.LOADED:  # shutdown began while it loaded
             async with self._lock:
                 await self._unload_now(slot, reason="shutting down")
+        elif slot.status is ModelStatus.LOADED and not slot.busy:  # its requests left while it loaded
+            self._schedule_expiry(slot)
 
     async def _make_room(self, slot: _Slot) -> None:
         """Unload idle models, least recently used first, until ``slot`` fits (count, host memory, device

@@ -301,6 +301,31 @@ def test_a_declared_model_whose_engine_died_is_loaded_again_on_its_next_request(
     asyncio.run(main())
 
 
+def test_a_request_cancelled_while_its_model_loads_leaves_no_lease_and_the_load_finishes():
+    """A client that leaves while its model loads: its lease ends (nothing pins the model), the load goes on
+    and the model then idles out by its keep_alive."""
+    async def main() -> None:
+        loads = Loads()
+        loads.gate["a"] = threading.Event()
+        router = _router(loads, "a", keep_alive_s=0.2)
+        waiting = asyncio.ensure_future(router.acquire("a"))
+        await asyncio.sleep(0.1)
+        assert router.models()[0].busy == 1 and _status(router)["a"] == "loading"
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        assert router.models()[0].busy == 0
+        loads.gate["a"].set()
+        deadline = time.monotonic() + 5
+        while _status(router)["a"] != "loaded" and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        assert _status(router)["a"] == "loaded"
+        await asyncio.sleep(0.4)  # nobody uses it: it idles out like any other model
+        assert _status(router)["a"] == "unloaded"
+        await router.shutdown()
+    asyncio.run(main())
+
+
 class _SharingBackend:
     """What the router sees of an in-process llama.cpp backend: its thread count and share_cpu."""
 
