@@ -10,10 +10,18 @@ from jinja2 import TemplateError
 
 from cllm.backends.base import Tokenizer
 from cllm.chat_sandbox import TemplateRaised, compile_template
+from cllm.config import ImageConfig
+from cllm.multimodal.content import load_messages, parse_parts
 
 ROLES = ("system", "user", "assistant", "tool", "developer")
-def normalize_messages(messages: Sequence[Any]) -> list[dict[str, Any]]:
+def normalize_messages(messages: Sequence[Any], *, images: ImageConfig | None = None) -> list[dict[str, Any]]:
     """Check OpenAI-style messages; content given as text parts is joined. ValueError names the bad item.
+
+    Content with images (``image_url`` parts, and from Python ``{"type": "image", "image": PIL image |
+    path | bytes | ImageData}``) stays a list of ``{"type": "text", "text"}`` and ``{"type": "image",
+    "image": ImageData}`` parts in order, each image loaded and checked under ``images`` (the request's
+    limits; None: ImageConfig()'s, without the count limit), only in user and tool messages
+    (cllm.multimodal.content). Text-only content is a string, as before images.
 
     Besides role and content, a message keeps ``name``, ``tool_call_id`` (tool results) and
     ``tool_calls`` (an assistant's calls), which tool-aware templates render."""
@@ -26,18 +34,16 @@ def normalize_messages(messages: Sequence[Any]) -> list[dict[str, Any]]:
         role, content = m.get("role"), m.get("content")
         if role not in ROLES:
             raise ValueError(f"messages[{i}].role={role!r}: must be one of {', '.join(ROLES)}")
-        if isinstance(content, list):
-            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
-                raise ValueError(f"messages[{i}].content: only text parts ({{'type': 'text', 'text': ...}}) are supported")
-            content = "".join(p["text"] for p in content)
+        if isinstance(content, list):  # parts: their text, or (with images) text and image items
+            content = parse_parts(((f"messages[{i}].content[{j}]", p) for j, p in enumerate(content)), role, local=True)
         if content is None and role == "assistant":
             content = ""
         if content is None and role == "tool":
             content = ""
-        if not isinstance(content, str):
-            raise ValueError(f"messages[{i}].content must be a string")
+        if not isinstance(content, (str, list)):
+            raise ValueError(f"messages[{i}].content must be a string or a list of content parts")
         out.append({"role": role, "content": content, **_tool_fields(i, m)})
-    return out
+    return load_messages(out, images)
 
 
 def _tool_fields(i: int, m: dict[str, Any]) -> dict[str, Any]:
@@ -68,6 +74,9 @@ _MARK_START, _MARK_END = "\ue010", "\ue011"
 # Appended to the final message for continue_final_message; the space after it shows whether the
 # template kept the message's trailing whitespace.
 _CONTINUE_TAG = "\ue012cllm-continue\ue013"
+# Where an image part was: the template sees string content with this in the image's place (every
+# template can render that), and tokenising puts the image there (cllm.multimodal.MultimodalPrompt).
+IMAGE_MARK = "\ue014"
 
 
 class ChatTemplate:
@@ -112,10 +121,21 @@ class ChatTemplate:
         A marker the template separated from its token (``split``, slicing) is dropped but still
         breaks the text, so that the text on its two sides cannot join into a control token.
         """
+        segments, images = self.render_with_images(messages, add_generation_prompt=add_generation_prompt,
+                                                   tools=tools, continue_final_message=continue_final_message)
+        if images:
+            raise ValueError("the messages hold images: render them with render_with_images")
+        return segments
+
+    def render_with_images(self, messages: Sequence[Any], *, add_generation_prompt: bool = True,
+                           tools: list[dict[str, Any]] | None = None,
+                           continue_final_message: bool = False) -> tuple[list[Segment], list[Any]]:
+        """``render_segments`` for messages that may hold images: each image part is rendered as
+        ``IMAGE_MARK`` inside its message's text; returns the segments and the images in prompt order."""
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message and add_generation_prompt cannot both be true: "
                              "continue the last message, or start a new assistant turn")
-        msgs = self._mark(normalize_messages(messages))
+        msgs, images = _images_as_marks(self._mark(normalize_messages(messages)))
         if continue_final_message:
             msgs[-1] = {**msgs[-1], "content": msgs[-1]["content"] + _CONTINUE_TAG + " "}
         try:
@@ -127,12 +147,15 @@ class ChatTemplate:
             raise ValueError(f"chat template failed to render: {err}") from None
         if continue_final_message:
             text = _cut_at_continue_tag(text)
-        return self._segments(text)
+        if text.count(IMAGE_MARK) != len(images):
+            raise ValueError(f"the chat template rendered {text.count(IMAGE_MARK)} of the messages' {len(images)} "
+                             "images (it drops or repeats message content)")
+        return self._segments(text), images
 
     def _mark(self, value: Any) -> Any:
         """``value`` with every control-token text in its strings wrapped in markers (dict keys kept)."""
         if isinstance(value, str):
-            plain = value.replace(_MARK_START, "").replace(_MARK_END, "")  # no forged markers
+            plain = value.replace(_MARK_START, "").replace(_MARK_END, "").replace(IMAGE_MARK, "")  # no forged markers
             return self._control.sub(lambda m: _MARK_START + m.group(0) + _MARK_END, plain)
         if isinstance(value, dict):
             return {key: self._mark(item) for key, item in value.items()}
@@ -147,6 +170,26 @@ class ChatTemplate:
             if part:
                 segments.append((part, i % 2 == 0))
         return segments
+
+
+def _images_as_marks(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[Any]]:
+    """Messages whose content lists text and image parts (normalize_messages) as plain strings with
+    IMAGE_MARK where each image was; the images, in order."""
+    images: list[Any] = []
+    out = []
+    for m in messages:
+        content = m["content"]
+        if isinstance(content, list):
+            pieces = []
+            for part in content:
+                if part["type"] == "image":
+                    images.append(part["image"])
+                    pieces.append(IMAGE_MARK)
+                else:
+                    pieces.append(part["text"])
+            m = {**m, "content": "".join(pieces)}
+        out.append(m)
+    return out, images
 
 
 def _trie_pattern(words: set[str]) -> str:
@@ -181,7 +224,8 @@ def _cut_at_continue_tag(text: str) -> str:
     return text[:at].rstrip()  # the template trims messages: trim the continued one too
 
 
-def encode_segments(tokenizer: Tokenizer, segments: Sequence[Segment], *, add_bos: bool) -> list[int]:
+def encode_segments(tokenizer: Tokenizer, segments: Sequence[Segment], *, add_bos: bool,
+                    continued: bool = False) -> list[int]:
     """Token ids of a rendered chat: trusted pieces with special-token parsing, untrusted ones as text.
 
     Only the first piece is tokenised at the start of a text. The others follow a control token in
@@ -191,7 +235,7 @@ def encode_segments(tokenizer: Tokenizer, segments: Sequence[Segment], *, add_bo
     ids: list[int] = []
     newline: list[int] | None = None
     for i, (piece, trusted) in enumerate(segments):
-        if i == 0:
+        if i == 0 and not continued:  # (continued: the text follows an image, which ends in a control token)
             ids += tokenizer.encode(piece, add_special=add_bos, parse_special=trusted)
             continue
         if newline is None:
@@ -203,6 +247,26 @@ def encode_segments(tokenizer: Tokenizer, segments: Sequence[Segment], *, add_bo
             piece_ids = tokenizer.encode(piece, add_special=False, parse_special=trusted)
         ids += piece_ids
     return ids
+
+
+def encode_with_images(tokenizer: Tokenizer, segments: Sequence[Segment]) -> tuple[list[int], list[int]]:
+    """Token ids of a rendered chat whose text holds IMAGE_MARKs: the text's ids, and for each mark the
+    index in them where its image goes. The text on the two sides of an image is tokenised apart, as
+    libmtmd and transformers' processors do (an image always sits between control tokens)."""
+    ids: list[int] = []
+    at: list[int] = []
+    group: list[Segment] = []
+    for piece, trusted in segments:
+        parts = piece.split(IMAGE_MARK) if trusted else [piece]
+        for j, part in enumerate(parts):
+            if j:
+                ids += encode_segments(tokenizer, group, add_bos=False, continued=bool(at))
+                at.append(len(ids))
+                group = []
+            if part:
+                group.append((part, trusted))
+    ids += encode_segments(tokenizer, group, add_bos=False, continued=bool(at))
+    return ids, at
 
 
 def chat_template_setting(value: str | None) -> str | None:

@@ -153,6 +153,7 @@ def serve(
     speculative_model: Optional[str] = typer.Option(None, "--speculative-model", help="draft model of --speculative draft"),
     chat_template: Optional[str] = typer.Option(None, "--chat-template", help="a Jinja chat template file, or the template itself, in place of the model's"),
     deterministic: Optional[bool] = typer.Option(None, "--deterministic/--no-deterministic", help="batch-invariant inference: the same request gets bitwise the same tokens and logprobs whatever it is batched with (docs/reproducibility.md)"),
+    mmproj: Optional[str] = typer.Option(None, "--mmproj", help="llama.cpp: the vision projector GGUF (default: looked for beside the model; 'none' = text only)"),
     sets: Optional[list[str]] = SetOpt,
 ) -> None:
     """Run the OpenAI-compatible HTTP server (on Ray Serve with --replicas N > 1 or --pd)."""
@@ -162,7 +163,8 @@ def serve(
                   log_level=log_level, n_ctx=n_ctx, n_seq_max=n_seq_max, n_threads=n_threads, n_batch=n_batch,
                   max_num_seqs=max_num_seqs, max_waiting=max_waiting, request_timeout_s=request_timeout_s,
                   served_model_name=served_model_name or None, replicas=replicas, pd=pd, speculative=speculative,
-                  speculative_model=speculative_model, chat_template=chat_template, deterministic=deterministic)
+                  speculative_model=speculative_model, chat_template=chat_template, deterministic=deterministic,
+                  mmproj=mmproj)
     if entries:
         cfg = cfg.model_copy(update={"models": [*cfg.models, *entries]})
     try:

@@ -52,6 +52,7 @@ class LlamaCppConfig(_Section):
     type_k: KvCacheType = Field("f16", description="KV cache element type of keys (llama-server --cache-type-k): f32, f16, bf16, q8_0, q4_0, q4_1, iq4_nl, q5_0, q5_1")
     type_v: KvCacheType = Field("f16", description="KV cache element type of values; a quantized type (q*/iq*) needs flash_attn: true")
     offload_kqv: bool = Field(True, description="keep the KV cache and attention on the GPU with the offloaded layers (false: in host memory)")
+    mmproj: str | None = Field(None, description="the vision projector GGUF that makes the model take images (llama-server's --mmproj; llama.cpp's convert_hf_to_gguf.py --mmproj writes one); null = looked for beside the model file: mmproj-<model stem>.gguf, <model stem>-mmproj.gguf or <model stem>.mmproj.gguf, else the folder's only mmproj*.gguf; 'none' = text only")
     adapt_threads: Literal["auto", "off"] = Field("auto", description="auto = while other processes take CPU time, decode with fewer threads than model.n_threads' default and come back up when they stop (ggml's threads spin-wait for each other, so one thread the OS takes away stalls every step; step times are measured per thread count: cllm/backends/llama_cpp/thread_governor.py); only when n_threads is left unset and no layer is on a GPU; off = always the default count")
 
     @model_validator(mode="after")
@@ -191,6 +192,17 @@ class StructuredConfig(_Section):
     max_constraint_depth: int = Field(40, ge=2, le=1024, description="deepest JSON nesting of a schema (and () nesting of a grammar or regex); deeper is a 400")
     grammar_compile_timeout_s: float = Field(10.0, gt=0, le=3600, description="budget of one grammar compile, queueing included; past it the request gets a 400 (the compile finishes in the background and is cached)")
     grammar_cache_mib: int = Field(128, ge=1, le=1 << 20, description="compiled grammars kept together (their token masks), MiB; the least recently used go first")
+
+
+class ImageConfig(_Section):
+    """Image inputs: how many, how large, and whether the server may fetch image URLs (cllm.multimodal)."""
+
+    max_images_per_request: int = Field(8, ge=0, le=1024, description="most images one request (all its messages together) may carry; more is a 400; 0 = no images")
+    max_image_bytes: int = Field(20 << 20, ge=1024, le=1 << 30, description="largest encoded image (a data: URL's decoded bytes, a fetched body, a file); larger is a 400 naming the part. An image sent inline also counts toward max_body_bytes")
+    max_image_pixels: int = Field(33_177_600, ge=1, le=1 << 27, description="largest width x height of an image (default 7680x4320, 8K), read from its header before it is decoded (decompression bombs); larger is a 400 naming the part")
+    allow_image_urls: bool = Field(False, description="fetch http(s) image URLs in requests; false = only inline images (data: URLs, base64 sources), a URL is a 400 saying how to enable this")
+    allow_private_image_urls: bool = Field(False, description="with allow_image_urls, also fetch from private, loopback, link-local and reserved addresses (every address the host resolves to is checked, redirects are re-checked); false keeps the server from being used to reach its own network")
+    image_url_timeout_s: float = Field(10.0, gt=0, le=600, description="budget of one image URL fetch (resolving, connecting, redirects and the body together); past it the request gets a 400")
 
 
 class SpeculativeConfig(_Section):
@@ -346,6 +358,7 @@ class CllmConfig(_Section):
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
     speculative: SpeculativeConfig = Field(default_factory=SpeculativeConfig)
     router: RouterConfig = Field(default_factory=RouterConfig)
+    images: ImageConfig = Field(default_factory=ImageConfig)
     models: list[ModelEntry] = Field(default_factory=list, description="the models one server serves (cllm/router): empty = the one model of the model section")
 
     @model_validator(mode="after")

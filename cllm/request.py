@@ -5,6 +5,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from cllm.multimodal.span import ImageSpan
 from cllm.outputs import RequestMetrics, TokenLogprob
 from cllm.sampling.params import SamplingParams
 
@@ -72,6 +73,7 @@ class Request:
     metrics: RequestMetrics = field(init=False)  # timings
     arrival_seq: int = 0  # tie-breaker: order of arrival
     stop_ids: frozenset[int] = field(init=False)  # EOS + params.stop_token_ids (what min_tokens holds back)
+    mm_spans: tuple[ImageSpan, ...] = ()  # images in the prompt, in order (their placeholder ids are in prompt_token_ids)
 
     def __post_init__(self) -> None:
         self.metrics = RequestMetrics(arrival_time=self.arrival_time)
@@ -97,6 +99,24 @@ class Request:
     def needs_prompt_logits(self) -> bool:
         """Prompt logprobs were asked for and not every prompt token is scored yet."""
         return self.scores_prompt and len(self.prompt_logprobs) < len(self.prompt_token_ids)
+
+    def fit_chunk(self, n: int) -> int:
+        """``n`` prompt tokens from ``num_computed_tokens``, moved so that the chunk never splits an image:
+        it stops before an image it reaches, and one starting at an image takes all of it (maybe more than
+        ``n``: an image is encoded and evaluated in one step, as llama-server and vLLM do)."""
+        if not self.mm_spans:
+            return n
+        start = self.num_computed_tokens
+        end = start + n
+        for span in self.mm_spans:
+            if span.end <= start:
+                continue
+            if span.start >= end:
+                break
+            if span.start > start:
+                return span.start - start  # text up to the image; the image starts the next chunk
+            end = max(end, span.end)  # starts at (or, after a cut cache hit, inside) the image: all of it
+        return end - start
 
     def token_at(self, index: int) -> int:
         n = len(self.prompt_token_ids)

@@ -23,6 +23,8 @@ from typing import Any
 import numpy as np
 
 from cllm.backends.determinism import OFF, Determinism
+from cllm.multimodal.prompt import MultimodalPrompt
+from cllm.multimodal.span import ImageSpan
 from cllm.sampling.dispatch import launch_sample
 from cllm.sampling.sampler import SamplingRow
 
@@ -263,6 +265,18 @@ class Backend(ABC):
     # A sequence with draft tokens in a step with other sequences runs them as a forward pass of its own
     # (llama.cpp's split KV cache: a micro-batch holds consecutive seq_ids with equal token counts).
     drafts_run_apart: bool = False
+    # Images in prompts (a projector / vision tower loaded): expand_images, and admit(images=...)
+    supports_images: bool = False
+
+    def expand_images(self, prompt: MultimodalPrompt) -> tuple[list[int], tuple[ImageSpan, ...]]:
+        """A prompt's ids with each image replaced by the ids that stand for it (the model's image
+        markers around placeholder ids, one per embedding the encoder will give), and the images' spans
+        in those ids. Called once per request, before admission; ``admit`` then gets the spans as
+        ``images=`` and ``forward_batch`` evaluates a span's placeholders as the image's embeddings
+        (the scheduler never splits a span over two steps: ``Request.fit_chunk``). A backend keys its
+        prefix cache on each span's ``image.hash`` besides the ids. ValueError for an image the
+        encoder refuses."""
+        raise ValueError(f"this model does not accept images (backend {self.name!r}, no vision encoder loaded)")
 
     @property
     def embedding_max_tokens(self) -> int:

@@ -28,6 +28,7 @@ from cllm.cluster.stats_board import ReplicaReport, aggregate
 from cllm.cluster.transport import HandoffTicket, HolderClient
 from cllm.config import CllmConfig
 from cllm.engine.llm_engine import LLMEngine, Prompt
+from cllm.multimodal.prompt import ids_without_images
 from cllm.engine.stats import EngineStats, RunningRequestInfo
 from cllm.errors import EngineDeadError, QueueFullError
 from cllm.outputs import EmbeddingOutput, RequestOutput
@@ -60,6 +61,9 @@ class RemoteEngine:
     # ``config``, ``max_model_len`` and a ``_chat`` slot, which this class has.
     tokenize_prompt = LLMEngine.tokenize_prompt
     tokenize_chat = LLMEngine.tokenize_chat
+    check_images = LLMEngine.check_images
+    expanded_ids = staticmethod(ids_without_images)
+    supports_images = False  # replicas take text prompts only: an image is refused with a 400 here
     apply_chat_template = LLMEngine.apply_chat_template
     resolve_max_tokens = LLMEngine.resolve_max_tokens
 

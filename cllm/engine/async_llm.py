@@ -32,6 +32,7 @@ from cllm.engine.chat_request import attach_tool_calls, prepare_chat
 from cllm.engine.llm import make_engine
 from cllm.engine.llm_engine import LLMEngine, Prompt
 from cllm.engine.prompt_ids import prompt_token_ids
+from cllm.multimodal.prompt import MultimodalPrompt
 from cllm.engine.stats import EngineStats, RunningRequestInfo
 from cllm.errors import EngineDeadError, QueueFullError, RequestHandedOffError
 from cllm.gc_freeze import freeze_live_objects
@@ -216,6 +217,18 @@ class AsyncLLM:
                       tools: list[dict] | None = None, *, continue_final_message: bool = False) -> list[int]:
         return self.engine.tokenize_chat(messages, add_generation_prompt, tools,
                                          continue_final_message=continue_final_message)
+
+    def expanded_ids(self, prompt: Any) -> list[int]:
+        """LLMEngine.expanded_ids; an image's expansion waits for a running step (the backend's tokenizer
+        of images is not used from two threads at once)."""
+        if not isinstance(prompt, MultimodalPrompt):
+            return list(prompt)
+        with self._state_lock:
+            return self.engine.expanded_ids(prompt)
+
+    @property
+    def supports_images(self) -> bool:
+        return self.engine.supports_images
 
     def stats(self) -> EngineStats:
         """The engine's stats as of its latest step; never waits for a running step (``/metrics`` and

@@ -8,6 +8,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from cllm.chat_template import normalize_messages
+from cllm.multimodal.support import check_images_accepted
 from cllm.outputs import RequestOutput
 from cllm.sampling.params import SamplingParams
 from cllm.structured.response_format import response_format_constraint
@@ -26,7 +28,8 @@ class ChatRequest:
 def prepare_chat(engine: Any, messages: Sequence[dict], params: SamplingParams | None, *, tools: Any = None,
                  tool_choice: Any = None, parallel_tool_calls: bool | None = None, response_format: Any = None,
                  add_generation_prompt: bool = True) -> ChatRequest:
-    """Resolve a chat call; ValueError names a bad tools / tool_choice / response_format value."""
+    """Resolve a chat call; ValueError names a bad message or image part (``messages[0].content[2]: ...``),
+    a model that takes no images, or a bad tools / tool_choice / response_format value."""
     params = params or SamplingParams()
     settings = engine.config.structured
     plan = plan_tools(tools, tool_choice, parallel_tool_calls, engine.tokenizer.chat_template,
@@ -39,6 +42,10 @@ def prepare_chat(engine: Any, messages: Sequence[dict], params: SamplingParams |
         constraint = {"json_schema": forced}
     if constraint:
         params = dataclasses.replace(params, **constraint)
+    # Images are fetched and decoded here, under the engine's image limits; the template's own
+    # normalize_messages then takes the decoded images as they are.
+    messages = normalize_messages(messages, images=engine.config.images)
+    check_images_accepted(engine, messages)
     convo = plan.prepare_messages(list(messages)) if plan is not None else list(messages)
     template_tools = plan.template_tools() if plan is not None else None
     ids = engine.tokenize_chat(convo, add_generation_prompt, template_tools)

@@ -75,6 +75,7 @@ class CoreReady:
     determinism: Any = None  # the backend's Determinism (model.deterministic), for the ready lines and /v1/engine
     device_memory_bytes: int = 0  # device memory torch reserved in the core after the load (CUDA; 0 on a CPU)
     device_total_bytes: int = 0  # the size of the device it uses (0 on a CPU)
+    supports_images: bool = False  # a vision encoder is loaded (prompts may hold images)
 
 
 @dataclass(slots=True)

@@ -109,7 +109,7 @@ def _ready(engine: LLMEngine, config: CllmConfig) -> CoreReady:
     tokenizer: Any = None if engine.backend.name == "llama_cpp" else engine.tokenizer
     return CoreReady(tokenizer, engine.max_model_len, async_llm.model_name_of(engine), device_text(_Holder(engine), config),
                      engine.backend.capacity.max_num_seqs, (engine.stats(), engine.running_requests()),
-                     engine.backend.determinism, cuda_reserved_bytes(), cuda_total_bytes())
+                     engine.backend.determinism, cuda_reserved_bytes(), cuda_total_bytes(), engine.supports_images)
 
 
 @dataclass(slots=True)

@@ -6,6 +6,7 @@ thread. Nothing else mutates request state.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import gc
 import itertools
 import time
@@ -17,7 +18,7 @@ import numpy as np
 
 from cllm.backends.base import Backend, BackendError, KVCacheFullError
 from cllm.backends.registry import create_backend
-from cllm.chat_template import ChatTemplate, encode_segments
+from cllm.chat_template import IMAGE_MARK, ChatTemplate, encode_segments, encode_with_images
 from cllm.config import CllmConfig
 from cllm.engine import migration
 from cllm.engine.prompt_logprobs import score_prompt_chunk
@@ -25,6 +26,8 @@ from cllm.engine.request_group import RequestGroup
 from cllm.engine.stats import EngineStats, RateMeter, RunningRequestInfo
 from cllm.errors import ContextLengthError, QueueFullError
 from cllm.handoff.snapshot import RequestSnapshot
+from cllm.multimodal.prompt import MultimodalPrompt
+from cllm.multimodal.span import ImageSpan
 from cllm.outputs import EmbeddingOutput, RequestOutput
 from cllm.request import FIRST_FINAL, Request, RequestStatus
 from cllm.sampling.params import SamplingParams
@@ -37,7 +40,7 @@ from cllm.structured import StructuredOutputs
 from cllm.structured.limits import ConstraintLimits, check_constraint
 from cllm.structured.manager import PendingMask
 
-Prompt = str | Sequence[int]
+Prompt = str | Sequence[int] | MultimodalPrompt
 GC_GEN0_THRESHOLD = 5000  # allocations between young-generation collections while an engine exists (_raise_gc_threshold)
 
 
@@ -78,6 +81,7 @@ class LLMEngine:
         self.scheduler.speculator = self.speculator
         self.structured = StructuredOutputs(self.tokenizer, config.structured.grammar_cache_size, constraint_limits(config))
         self.max_model_len = self.backend.capacity.max_model_len
+        self.supports_images = self.backend.supports_images
         self._groups: dict[str, RequestGroup] = {}
         self._group_of: dict[str, tuple[RequestGroup, int]] = {}
         # Each sequence's sampling state (params, its own generator, its token lists), built once: the
@@ -113,16 +117,22 @@ class LLMEngine:
         return _valid_text(text, "messages")
 
     def tokenize_chat(self, messages: Sequence[dict], add_generation_prompt: bool = True,
-                      tools: list[dict] | None = None, *, continue_final_message: bool = False) -> list[int]:
+                      tools: list[dict] | None = None, *,
+                      continue_final_message: bool = False) -> list[int] | MultimodalPrompt:
         """Token ids of a conversation, as transformers' ``apply_chat_template(tokenize=True)`` gives
         them; special-token text in the caller's strings stays plain text (no role injection:
-        ChatTemplate.render_segments)."""
+        ChatTemplate.render_segments). With image parts, a MultimodalPrompt: the text's ids and where
+        each image goes (the backend expands them when the request is added)."""
         if self._chat is None:
             self._chat = ChatTemplate(self.tokenizer)
-        segments = self._chat.render_segments(messages, add_generation_prompt=add_generation_prompt, tools=tools,
-                                              continue_final_message=continue_final_message)
+        segments, images = self._chat.render_with_images(
+            messages, add_generation_prompt=add_generation_prompt, tools=tools,
+            continue_final_message=continue_final_message)
         for piece, _ in segments:
-            _valid_text(piece, "messages")
+            _valid_text(piece.replace(IMAGE_MARK, ""), "messages")
+        if images:
+            ids, at = encode_with_images(self.tokenizer, segments)
+            return MultimodalPrompt(ids, tuple(zip(at, images)))
         # The template writes the BOS where the model wants one (transformers and vLLM add none either).
         ids = encode_segments(self.tokenizer, segments, add_bos=False)
         if not ids:
@@ -130,7 +140,11 @@ class LLMEngine:
         return ids
 
     def tokenize_prompt(self, prompt: Prompt) -> list[int]:
-        """Validated prompt token ids (ValueError on an empty or out-of-vocabulary prompt)."""
+        """Validated prompt token ids (ValueError on an empty or out-of-vocabulary prompt). For a prompt with
+        images, its text's ids: the images' own ids are known once the backend expands them (add_request)."""
+        if isinstance(prompt, MultimodalPrompt):
+            self.check_images(prompt)
+            prompt = prompt.ids
         if isinstance(prompt, str):
             _valid_text(prompt, "prompt")
             bos = self.tokenizer.bos_token_id
@@ -170,6 +184,10 @@ class LLMEngine:
         if prompt_ids is not None:  # tokenised by the caller: the limits on the request itself still hold
             self.check_params(params)
         ids = prompt_ids if prompt_ids is not None else self.validate_request(prompt, params)
+        spans: tuple[ImageSpan, ...] = ()
+        if isinstance(prompt, MultimodalPrompt):
+            ids, spans = self._expand_images(prompt, params)
+            params = self._fit_max_tokens(prompt, params, self.max_model_len - len(ids))
         max_tokens = self.resolve_max_tokens(len(ids), params)
         if not self.has_room_for(params.n):
             raise QueueFullError(f"waiting queue is full ({self.config.scheduler.max_waiting} requests); retry later")
@@ -177,7 +195,7 @@ class LLMEngine:
         self._check_id_free(group_id, params.n)
         timeout = timeout_s if timeout_s is not None else self.config.scheduler.request_timeout_s
         self.structured.compile(params)  # a cache hit when validate_request (or AsyncLLM) compiled it
-        children = [self._child(group_id, i, ids, params, max_tokens, priority, timeout) for i in range(params.n)]
+        children = [self._child(group_id, i, ids, params, max_tokens, priority, timeout, spans) for i in range(params.n)]
         group = RequestGroup(group_id, prompt if isinstance(prompt, str) else None, children, self.tokenizer)
         self._groups[group_id] = group
         for i, child in enumerate(children):
@@ -185,6 +203,41 @@ class LLMEngine:
             self.structured.add(child)
             self.scheduler.add(child)
         return group_id
+
+    def check_images(self, prompt: MultimodalPrompt) -> None:
+        """ValueError when the model takes no images, or the prompt holds more than ``max_images_per_request``."""
+        if not self.supports_images:
+            raise ValueError(f"model {self.config.model.model!r} does not accept images: serve a vision model "
+                             "with its projector (llama.cpp: --mmproj FILE; torch: a transformers VLM directory)")
+        limit = self.config.images.max_images_per_request
+        if len(prompt.images) > limit:
+            raise ValueError(f"the request holds {len(prompt.images)} images; at most {limit} "
+                             "(max_images_per_request) are taken")
+
+    def _expand_images(self, prompt: MultimodalPrompt, params: SamplingParams) -> tuple[list[int], tuple[ImageSpan, ...]]:
+        """The prompt's ids with its images' ids in place, and their spans (the backend's expand_images)."""
+        self.check_images(prompt)
+        if params.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs cannot be given for a prompt with images (image positions have no token to score)")
+        ids, spans = self.backend.expand_images(prompt)
+        if spans and spans[-1].end >= len(ids):
+            raise ValueError("a prompt must not end with an image: put text (the chat template's generation prompt) after it")
+        return ids, spans
+
+    def expanded_ids(self, prompt: list[int] | MultimodalPrompt) -> list[int]:
+        """A rendered prompt's ids as the context holds them, its images' ids included (/tokenize, count_tokens)."""
+        if isinstance(prompt, MultimodalPrompt):
+            self.check_images(prompt)
+            return self.backend.expand_images(prompt)[0]
+        return list(prompt)
+
+    @staticmethod
+    def _fit_max_tokens(prompt: Prompt, params: SamplingParams, room: int) -> SamplingParams:
+        """A default max_tokens chosen before the images were expanded, lowered to the context's room."""
+        if isinstance(prompt, MultimodalPrompt) and prompt.fit_max_tokens and params.max_tokens is not None \
+                and params.max_tokens > room >= 1:
+            return dataclasses.replace(params, max_tokens=room)
+        return params
 
     def validate_request(self, prompt: Prompt, params: SamplingParams) -> list[int]:
         """Everything add_request checks about the request itself; returns the prompt's token ids.
@@ -255,7 +308,7 @@ class LLMEngine:
             raise ValueError(f"request_id {group_id!r} is already in use (clashes with {taken[0]!r})")
 
     def _child(self, group_id: str, index: int, ids: list[int], params: SamplingParams, max_tokens: int,
-               priority: int, timeout: float | None) -> Request:
+               priority: int, timeout: float | None, spans: tuple[ImageSpan, ...] = ()) -> Request:
         now = time.monotonic()
         rid = group_id if params.n == 1 else f"{group_id}#{index}"
         seed = params.seed + index if params.seed is not None else int(self._seed_source.integers(1 << 62))
@@ -263,7 +316,7 @@ class LLMEngine:
         # Prompt logprobs are the same for every choice: only the first one scores the prompt.
         req = Request(rid, list(ids), params, max_tokens, priority=priority, arrival_time=now,
                       deadline=now + timeout if timeout else None, eos_token_ids=self.tokenizer.eos_token_ids,
-                      scores_prompt=index == 0 and params.prompt_logprobs is not None)
+                      scores_prompt=index == 0 and params.prompt_logprobs is not None, mm_spans=spans)
         self.keep_sampling_row(req, np.random.default_rng(seed % (1 << 64)))
         return req
 

@@ -44,6 +44,7 @@ from cllm.backends.base import Backend, Tokenizer
 from cllm.config import CllmConfig
 from cllm.engine.async_llm import SETTLE_ITERATIONS, after_iterations, next_merged_output
 from cllm.engine.prompt_ids import prompt_token_ids
+from cllm.multimodal.prompt import ids_without_images
 from cllm.engine.core_protocol import (
     AbortRequest, AddRequest, Admitted, CoreFailed, CoreReady, CoreStopped, EmbedDone, EmbedRequest, Snapshot,
     FrameReader, Settled, StepOutputs, StopCore, decode, encode, unpack_output,
@@ -117,6 +118,8 @@ class ProcessEngine:
     # The prompt checks of the in-process engine, reused as they are: they need only ``tokenizer``,
     # ``config``, ``max_model_len`` and a ``_chat`` slot, which this class has.
     tokenize_prompt = LLMEngine.tokenize_prompt
+    check_images = LLMEngine.check_images
+    expanded_ids = staticmethod(ids_without_images)
     check_params = LLMEngine.check_params
     tokenize_chat = LLMEngine.tokenize_chat
     apply_chat_template = LLMEngine.apply_chat_template
@@ -138,6 +141,7 @@ class ProcessEngine:
         self.device_memory_bytes = ready.device_memory_bytes  # what the core's load took on the GPU (router)
         self.device_total_bytes = ready.device_total_bytes
         self.max_num_seqs = ready.max_num_seqs
+        self.supports_images = ready.supports_images
         self._snapshot: Snapshot = ready.snapshot
         self._streams: dict[str, _Stream] = {}
         self._pending = 0  # sequences sent to the core whose Admitted has not come back

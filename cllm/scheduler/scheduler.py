@@ -193,7 +193,7 @@ class Scheduler:
                 continue  # preempted as a victim earlier this step
             if prefill_left <= 0:
                 break
-            n = min(_scored_cap(req, min(req.num_tokens - req.num_computed_tokens, budget)), prefill_left)
+            n = req.fit_chunk(min(_scored_cap(req, min(req.num_tokens - req.num_computed_tokens, budget)), prefill_left))
             if not self._reserve_or_preempt(req, req.num_computed_tokens + n, out):
                 break  # req itself was preempted: the rest, ranked lower, already was
             out.add(self._chunk(req, n))
@@ -315,9 +315,9 @@ class Scheduler:
     def _try_admit(self, req: Request, budget: int) -> int | None:
         """Give the request a backend place and KV for its first chunk; the chunk's size, or None."""
         if req.needs_prompt_logits:  # every prompt token must be evaluated to be scored: no cache hit
-            admission = self.backend.admit(req.request_id, req.all_token_ids, reuse_prefix=False)
+            admission = self.backend.admit(req.request_id, req.all_token_ids, reuse_prefix=False, **_images(req))
         else:
-            admission = self.backend.admit(req.request_id, req.all_token_ids)
+            admission = self.backend.admit(req.request_id, req.all_token_ids, **_images(req))
         if admission is None:
             self._refused = _RefusedAdmission(req, self._release_epoch, budget)
             return None
@@ -325,7 +325,7 @@ class Scheduler:
             req.num_computed_tokens = admission.num_cached_tokens
             if req.num_cached_tokens is None:
                 req.num_cached_tokens = admission.num_cached_tokens
-        n = _scored_cap(req, min(req.num_tokens - req.num_computed_tokens, budget))
+        n = req.fit_chunk(_scored_cap(req, min(req.num_tokens - req.num_computed_tokens, budget)))
         ok = self.backend.reserve(req.request_id, req.num_computed_tokens + n)
         restore_failed = False
         if ok and req.swapped_state is not None:
@@ -440,6 +440,11 @@ class Scheduler:
         victim = max(candidates, key=self.waiting.sort_key)
         self._preempt(victim)
         return victim
+
+
+def _images(req: Request) -> dict:
+    """admit()'s images keyword, given only when the prompt has images (backends without images need not take it)."""
+    return {"images": req.mm_spans} if req.mm_spans else {}
 
 
 def _scored_cap(req: Request, n: int) -> int:

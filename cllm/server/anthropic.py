@@ -17,12 +17,14 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from cllm.multimodal.prompt import text_ids
 from cllm.outputs import RequestOutput
 from cllm.server.anthropic_errors import anthropic_error_body
 from cllm.server.anthropic_input import chat_messages, chat_tool_choice, chat_tools
 from cllm.server.anthropic_protocol import CountTokensRequest, MessagesRequest
 from cllm.server.chat import ChatJob, plan_request, prepare_chat, render_chat, run_chat
-from cllm.server.errors import APIError
+from cllm.server.errors import APIError, bad_request
+from cllm.server.images import message_contents
 from cllm.server.protocol import ChatCompletionRequest
 from cllm.server.reply import NORMAL_FINISH, ReplyStream, read_reply, read_unfinished
 from cllm.server.responses import JSONBody
@@ -79,7 +81,7 @@ class MessageContext:
     def usage(self, final: RequestOutput | None) -> dict[str, Any]:
         """Anthropic's usage: input_tokens are the prompt tokens not read from the prefix cache."""
         if final is None:
-            return {"input_tokens": len(self.job.prompt), "output_tokens": 0, "cache_creation_input_tokens": 0,
+            return {"input_tokens": len(text_ids(self.job.prompt)), "output_tokens": 0, "cache_creation_input_tokens": 0,
                     "cache_read_input_tokens": 0}
         u = final.usage
         return {"input_tokens": u.prompt_tokens - u.cached_tokens, "output_tokens": u.completion_tokens,
@@ -203,5 +205,10 @@ async def count_tokens(body: CountTokensRequest, request: Request) -> JSONRespon
     model = await state.model_for(request, body.model, keep_alive=body.keep_alive)
     chat = _chat_request(body)
     plan = plan_request(chat, model.engine, state.config.structured)
-    prompt = await run_in_threadpool(render_chat, model.engine, chat.messages, True, plan)
-    return JSONResponse({"input_tokens": len(prompt)})
+    contents = await message_contents(chat.messages, state.config.images, model.engine, model.name)
+    prompt = await run_in_threadpool(render_chat, model.engine, chat.messages, True, plan, False, contents)
+    try:
+        count = len(await run_in_threadpool(model.engine.expanded_ids, prompt))
+    except ValueError as err:
+        raise bad_request(str(err), param="messages") from None
+    return JSONResponse({"input_tokens": count})

@@ -9,6 +9,7 @@ from typing import Any
 
 from cllm.server.anthropic_protocol import AnthropicMessage, CountTokensRequest
 from cllm.server.errors import bad_request, unsupported
+from cllm.server.images import chat_content
 from cllm.server.protocol import ChatMessage
 
 
@@ -45,15 +46,68 @@ def _tool_use(block: dict[str, Any], at: str) -> dict[str, Any]:
     return {"id": call_id, "type": "function", "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}}
 
 
+_MEDIA_TYPES = ("image/jpeg", "image/png", "image/gif", "image/webp")
+
+
+def _image_block(block: dict[str, Any], at: str) -> dict[str, Any]:
+    """An image block (base64 or url source) as chat's image_url part; the image is fetched (if allowed)
+    and checked later with the chat path's (cllm.server.images), named as ``at``."""
+    source = block.get("source")
+    kind = source.get("type") if isinstance(source, dict) else None
+    if kind == "base64":
+        media, data = source.get("media_type"), source.get("data")
+        if media not in _MEDIA_TYPES:
+            raise bad_request(f"{at}.source.media_type: must be one of {', '.join(_MEDIA_TYPES)}",
+                              param=f"{at}.source.media_type")
+        if not isinstance(data, str) or not data:
+            raise bad_request(f"{at}.source.data: must be the image as a non-empty base64 string", param=f"{at}.source.data")
+        url = f"data:{media};base64,{data}"
+    elif kind == "url":
+        url = source.get("url")
+        if not isinstance(url, str) or not url:
+            raise bad_request(f"{at}.source.url: must be a non-empty string", param=f"{at}.source.url")
+    else:
+        raise unsupported(f"{at}.source.type: image source type {kind!r} is not supported (base64, url)",
+                          f"{at}.source.type")
+    return {"type": "image_url", "image_url": {"url": url}, "where": at}
+
+
+def _parts_content(parts: list[dict[str, Any]]) -> str | list[dict[str, Any]]:
+    """Text parts joined into a string; with an image among them, the parts as they are."""
+    if all(p["type"] == "text" for p in parts):
+        return "".join(p["text"] for p in parts)
+    return parts
+
+
+def _result_content(content: Any, where: str) -> str | list[dict[str, Any]]:
+    """A tool_result's content: a string, or text and image blocks."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    if not isinstance(content, list):
+        raise bad_request(f"{where}: must be a string or a list of text and image blocks", param=where)
+    parts = []
+    for j, block in enumerate(content):
+        at = f"{where}.{j}"
+        kind = block.get("type") if isinstance(block, dict) else None
+        if kind == "text" and isinstance(block.get("text"), str):
+            parts.append({"type": "text", "text": block["text"]})
+        elif kind == "image":
+            parts.append(_image_block(block, at))
+        elif kind == "text":
+            raise bad_request(f"{at}.text: must be a string", param=f"{at}.text")
+        else:
+            raise unsupported(f"{at}.type: block type {kind!r} is not supported in a tool_result (text, image)", f"{at}.type")
+    return _parts_content(parts)
+
+
 def _tool_result(block: dict[str, Any], at: str) -> dict[str, Any]:
     call_id = block.get("tool_use_id")
     if not isinstance(call_id, str) or not call_id:
         raise bad_request(f"{at}.tool_use_id: must be a non-empty string", param=f"{at}.tool_use_id")
-    content = block.get("content", "")
-    text = _text_blocks(content, f"{at}.content") if content is not None else ""
+    content = _result_content(block.get("content", ""), f"{at}.content")
     if block.get("is_error") is True:
-        text = f"Error: {text}"
-    return {"role": "tool", "tool_call_id": call_id, "content": text}
+        content = f"Error: {content}" if isinstance(content, str) else [{"type": "text", "text": "Error: "}, *content]
+    return {"role": "tool", "tool_call_id": call_id, "content": content}
 
 
 def _turn(i: int, message: AnthropicMessage) -> list[dict[str, Any]]:
@@ -62,7 +116,7 @@ def _turn(i: int, message: AnthropicMessage) -> list[dict[str, Any]]:
     where = f"messages.{i}.content"
     if isinstance(message.content, str):
         return [{"role": message.role, "content": message.content}]
-    texts: list[str] = []
+    parts: list[dict[str, Any]] = []  # the turn's own text (and, in a user turn, image) parts
     calls: list[dict[str, Any]] = []
     results: list[dict[str, Any]] = []
     for j, block in enumerate(message.content):
@@ -71,7 +125,9 @@ def _turn(i: int, message: AnthropicMessage) -> list[dict[str, Any]]:
         if kind == "text":
             if not isinstance(block.get("text"), str):
                 raise bad_request(f"{at}.text: must be a string", param=f"{at}.text")
-            texts.append(block["text"])
+            parts.append({"type": "text", "text": block["text"]})
+        elif kind == "image" and message.role == "user":
+            parts.append(_image_block(block, at))
         elif kind == "tool_use" and message.role == "assistant":
             calls.append(_tool_use(block, at))
         elif kind == "tool_result" and message.role == "user":
@@ -80,12 +136,13 @@ def _turn(i: int, message: AnthropicMessage) -> list[dict[str, Any]]:
             continue  # earlier thinking is not shown to the model again (chat templates drop it too)
         else:
             raise unsupported(f"{at}.type: content block type {kind!r} is not supported in a {message.role} turn "
-                               "(text, tool_use in assistant turns, tool_result in user turns, thinking)", f"{at}.type")
+                               "(text; image and tool_result in user turns; tool_use and thinking in assistant turns)",
+                               f"{at}.type")
     out = list(results)
     if message.role == "assistant":
-        out.append({"role": "assistant", "content": "".join(texts), **({"tool_calls": calls} if calls else {})})
-    elif texts or not results:
-        out.append({"role": "user", "content": "".join(texts)})
+        out.append({"role": "assistant", "content": _parts_content(parts), **({"tool_calls": calls} if calls else {})})
+    elif parts or not results:
+        out.append({"role": "user", "content": _parts_content(parts)})
     return out
 
 
@@ -99,7 +156,7 @@ def chat_messages(body: CountTokensRequest) -> list[ChatMessage]:
         plain.append({"role": "system", "content": system})
     for i, message in enumerate(body.messages):
         plain += _turn(i, message)
-    return [ChatMessage(role=m["role"], content=m["content"], tool_calls=m.get("tool_calls"),
+    return [ChatMessage(role=m["role"], content=chat_content(m["content"]), tool_calls=m.get("tool_calls"),
                         tool_call_id=m.get("tool_call_id")) for m in plain]
 
 

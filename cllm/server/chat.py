@@ -8,6 +8,7 @@ constraint, template rendering with role-injection safety, sampling params, reas
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 import uuid
@@ -21,12 +22,14 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from cllm.config import StructuredConfig
+from cllm.multimodal.prompt import MultimodalPrompt, text_ids
 from cllm.outputs import RequestOutput
 from cllm.sampling.params import SamplingParams
 from cllm.server.access_log import access_record
 from cllm.server.errors import APIError, bad_request, param_from_message, reject_unsupported
 from cllm.server.fingerprint import fingerprint_of
 from cllm.server.generation import GenerationStream
+from cllm.server.images import message_contents
 from cllm.server.logprobs import chat_logprobs
 from cllm.server.protocol import (
     ChatChoice,
@@ -61,10 +64,13 @@ _PROMPT_TAIL_TOKENS = 8
 
 
 def render_chat(engine: Any, messages: list[ChatMessage], add_generation_prompt: bool = True,
-                plan: ToolPlan | None = None, continue_final_message: bool = False) -> list[int]:
+                plan: ToolPlan | None = None, continue_final_message: bool = False,
+                contents: list[Any] | None = None) -> list[int] | MultimodalPrompt:
     """The prompt token ids for ``messages`` (content never parsed into special tokens); 400 naming
     the message for anything the template cannot take. ``plan`` brings the request's tools in;
-    ``continue_final_message``: the prompt ends inside the last message, for the model to continue."""
+    ``continue_final_message``: the prompt ends inside the last message, for the model to continue;
+    ``contents``: each message's content with its images loaded (cllm.server.images.message_contents),
+    without which a message may hold only text parts."""
     if not messages:
         raise bad_request("messages must not be empty", param="messages")
     if continue_final_message and add_generation_prompt:
@@ -73,11 +79,11 @@ def render_chat(engine: Any, messages: list[ChatMessage], add_generation_prompt:
     plain: list[dict[str, Any]] = []
     for i, message in enumerate(messages):
         try:
-            text = message.text()
+            content = contents[i] if contents is not None else message.text()
         except ValueError as exc:
             raise bad_request(str(exc), param=f"messages.{i}.content") from None
         # Chat templates predate OpenAI's "developer" role; it means what "system" meant.
-        entry = {"role": "system" if message.role == "developer" else message.role, "content": text}
+        entry = {"role": "system" if message.role == "developer" else message.role, "content": content}
         if message.name:
             entry["name"] = message.name
         if message.tool_calls:
@@ -90,8 +96,8 @@ def render_chat(engine: Any, messages: list[ChatMessage], add_generation_prompt:
         plain = plan.prepare_messages(plain)
         tools = plan.template_tools()
     try:
-        return list(engine.tokenize_chat(plain, add_generation_prompt, tools,
-                                         continue_final_message=continue_final_message))
+        prompt = engine.tokenize_chat(plain, add_generation_prompt, tools, continue_final_message=continue_final_message)
+        return prompt if isinstance(prompt, MultimodalPrompt) else list(prompt)
     except Exception as exc:  # template errors (jinja raise_exception …) are about the messages given
         log.info("chat template refused the messages: %s", exc)
         raise bad_request(f"invalid messages for this model's chat template: {exc}", param="messages") from None
@@ -105,7 +111,7 @@ class ChatJob:
     """A chat-shaped request, validated and rendered, ready to run."""
 
     model: LoadedModel  # the served model
-    prompt: list[int]  # rendered, tokenised conversation
+    prompt: list[int] | MultimodalPrompt  # rendered, tokenised conversation (with images: expanded by the engine)
     params: SamplingParams  # sampling, limits and output constraint
     reply: ReplyFormat  # how replies are read (tools, reasoning)
     meta: ResponseMeta  # id / created / model of every body and chunk
@@ -142,13 +148,16 @@ async def _prepare_chat(body: ChatCompletionRequest, request: Request, id_prefix
     # not stall every other stream (issue 9 defect 17).
     # continue_final_message alone means no new turn; both given true is a 400 (render_chat)
     generation_prompt = body.add_generation_prompt if body.continue_final_message else body.add_generation_prompt is not False
+    contents = await message_contents(body.messages, state.config.images, model.engine, model.name)
     prompt = await run_in_threadpool(render_chat, model.engine, body.messages, bool(generation_prompt), plan,
-                                     bool(body.continue_final_message))
+                                     bool(body.continue_final_message), contents)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     if max_tokens is None:
         max_tokens = default_max_tokens(
-            model.engine.tokenizer, prompt, max_model_len=model.max_model_len, limit=model.limits.max_tokens_limit
+            model.engine.tokenizer, text_ids(prompt), max_model_len=model.max_model_len, limit=model.limits.max_tokens_limit
         )
+        if isinstance(prompt, MultimodalPrompt):  # its images' tokens are counted in the engine: fit there
+            prompt = dataclasses.replace(prompt, fit_max_tokens=True)
     reply = _reply_format(model.engine, prompt, plan, settings, constrained=bool(constraint or body.constraint()))
     # A harmony reply's markers are control tokens: kept in its text, for ReplyStream to read the channels.
     params = build_sampling_params(body, max_tokens=max_tokens, logprobs=_logprobs_setting(body), limits=model.limits,
@@ -158,7 +167,7 @@ async def _prepare_chat(body: ChatCompletionRequest, request: Request, id_prefix
     return ChatJob(model, prompt, params, reply, meta)
 
 
-def _reply_format(engine: Any, prompt: list[int], plan: ToolPlan | None, settings: StructuredConfig, *,
+def _reply_format(engine: Any, prompt: list[int] | MultimodalPrompt, plan: ToolPlan | None, settings: StructuredConfig, *,
                   constrained: bool) -> ReplyFormat:
     """Tools and reasoning markers for reading the reply. A constrained reply (JSON schema, grammar, a
     forced call) has no reasoning block: the constraint holds from the first token. Harmony channels
@@ -175,7 +184,7 @@ def _reply_format(engine: Any, prompt: list[int], plan: ToolPlan | None, setting
         fmt = None
     opened = False
     if fmt is not None:
-        opened = fmt.opened_by(tokenizer.decode(prompt[-_PROMPT_TAIL_TOKENS:]))
+        opened = fmt.opened_by(tokenizer.decode(text_ids(prompt)[-_PROMPT_TAIL_TOKENS:]))
     return ReplyFormat(plan if plan is not None and plan.active else None, fmt, opened, harmony)
 
 

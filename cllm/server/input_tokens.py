@@ -10,10 +10,14 @@ route for, answers the same shape with ``"object": "chat.completion.input_tokens
 """
 from __future__ import annotations
 
+from typing import Any
+
+from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from cllm.server.chat import prepare_chat
+from cllm.server.errors import bad_request
 from cllm.server.protocol import ChatCompletionRequest
 from cllm.server.responses import prepare_response
 from cllm.server.responses_protocol import ResponsesRequest
@@ -26,10 +30,18 @@ def _count(obj: str, num_tokens: int) -> JSONResponse:
 async def chat_input_tokens(body: ChatCompletionRequest, request: Request) -> JSONResponse:
     """The prompt tokens of a chat completions request (template, tools and system included)."""
     job = await prepare_chat(body, request)
-    return _count("chat.completion.input_tokens", len(job.prompt))
+    return _count("chat.completion.input_tokens", await prompt_tokens(job))
 
 
 async def response_input_tokens(body: ResponsesRequest, request: Request) -> JSONResponse:
     """The input tokens of a Responses request (instructions and the conversation it continues included)."""
     ctx = await prepare_response(body, request)
-    return _count("response.input_tokens", len(ctx.job.prompt))
+    return _count("response.input_tokens", await prompt_tokens(ctx.job))
+
+
+async def prompt_tokens(job: Any) -> int:
+    """The job's prompt tokens, an image's included (expanded by the engine: 400 where it cannot)."""
+    try:
+        return len(await run_in_threadpool(job.model.engine.expanded_ids, job.prompt))
+    except ValueError as err:
+        raise bad_request(str(err), param="messages") from None

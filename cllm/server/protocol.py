@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
 
 class _Request(BaseModel):
@@ -96,18 +96,31 @@ class CompletionRequest(GenerationRequest):
         return super().unsupported()
 
 
-class TextContentPart(_Request):
-    """One part of a message's content; only text parts are supported."""
+class ContentPart(_Request):
+    """One part of a message's content: ``{"type": "text", "text"}`` or ``{"type": "image_url",
+    "image_url": {"url", "detail"}}`` (or the URL itself, as some clients send it); parts are checked
+    by cllm.multimodal.content, which names the bad one."""
 
     type: str
     text: str | None = None
+    image_url: Any = None  # checked by cllm.multimodal.content, which names the part (a union here would not)
+    # How errors name this part when the request came in another protocol (Responses' input[0].content[1],
+    # Messages' messages.0.content.1); None = messages.I.content.J. Not a request field: set by the converters.
+    _where: str | None = PrivateAttr(None)
+
+    def plain(self) -> dict[str, Any]:
+        """The part as cllm.multimodal.content parses it."""
+        return {"type": self.type, "text": self.text, "image_url": self.image_url}
+
+
+TextContentPart = ContentPart  # the name before image parts
 
 
 class ChatMessage(_Request):
     """One message of a conversation."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextContentPart] | None = None
+    content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[Any] | None = None
     tool_call_id: str | None = None
@@ -122,6 +135,12 @@ class ChatMessage(_Request):
             if part.type != "text" or part.text is None:
                 raise ValueError(f"content part of type {part.type!r} is not supported (text only)")
         return "".join(part.text or "" for part in self.content)
+
+    def parts(self, index: int) -> list[tuple[str, dict[str, Any]]]:
+        """(where, part) for each content part (list content only), ``where`` as errors name it."""
+        if not isinstance(self.content, list):
+            return []
+        return [(part._where or f"messages.{index}.content.{j}", part.plain()) for j, part in enumerate(self.content)]
 
 
 class ResponseFormat(_Request):

@@ -1,7 +1,8 @@
 """Responses API input as the chat path's input: items -> chat messages, tools, tool_choice, text.format.
 
 Every check names the field in the client's terms (``input[3].content[1].type``); what cannot be
-served (images, files, built-in tools such as web search) is a 400 ``unsupported_parameter``.
+served (file inputs, built-in tools such as web search) is a 400 ``unsupported_parameter``. ``input_image``
+parts become chat image_url parts, loaded and checked with the chat path's (cllm.server.images).
 """
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import json
 from typing import Any
 
 from cllm.server.errors import bad_request, unsupported
+from cllm.server.images import chat_content
 from cllm.server.protocol import ChatMessage, ResponseFormat
 from cllm.server.responses_protocol import ResponsesRequest
 
@@ -18,13 +20,14 @@ _BUILTIN_TOOLS = ("web_search", "web_search_preview", "file_search", "computer_u
                   "image_generation", "mcp", "local_shell", "custom", "shell", "apply_patch")
 
 
-def _text_content(content: Any, param: str) -> str:
-    """A message's content (a string or a list of text parts) as one string."""
+def _content(content: Any, param: str) -> str | list[dict[str, Any]]:
+    """A message's content (a string or a list of parts) as one string, or, when it holds images, as chat
+    parts (text, and image_url naming its ``where`` in the request: cllm.server.images.chat_content)."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
         raise bad_request(f"invalid {param}: must be a string or a list of content parts", param=param)
-    texts = []
+    parts: list[dict[str, Any]] = []
     for j, part in enumerate(content):
         where = f"{param}[{j}]"
         if not isinstance(part, dict):
@@ -34,13 +37,30 @@ def _text_content(content: Any, param: str) -> str:
             text = part.get("text")
             if not isinstance(text, str):
                 raise bad_request(f"invalid {where}.text: must be a string", param=f"{where}.text")
-            texts.append(text)
+            parts.append({"type": "text", "text": text})
         elif kind == "refusal" and isinstance(part.get("refusal"), str):
-            texts.append(part["refusal"])
+            parts.append({"type": "text", "text": part["refusal"]})
+        elif kind == "input_image":
+            parts.append(_input_image(part, where))
         else:
-            raise unsupported(f"content part type {kind!r} is not supported (input_text / output_text only)",
+            raise unsupported(f"content part type {kind!r} is not supported (input_text, output_text, input_image)",
                                f"{where}.type")
-    return "".join(texts)
+    if all(p["type"] == "text" for p in parts):
+        return "".join(p["text"] for p in parts)
+    return parts
+
+
+def _input_image(part: dict[str, Any], where: str) -> dict[str, Any]:
+    """An ``input_image`` part as chat's image_url part (the image is fetched and checked later, with the rest)."""
+    if part.get("file_id") is not None:
+        raise unsupported(f"{where}.file_id: file inputs are not supported (no files API): send the image as "
+                          "image_url, a data: URL", f"{where}.file_id")
+    url = part.get("image_url")
+    if not isinstance(url, str) or not url:
+        raise bad_request(f"invalid {where}.image_url: must be a data: URL or an http(s) URL", param=f"{where}.image_url")
+    detail = part.get("detail")
+    return {"type": "image_url", "image_url": {"url": url, **({"detail": detail} if isinstance(detail, str) else {})},
+            "where": where}
 
 
 def _string(item: dict[str, Any], key: str, where: str) -> str:
@@ -60,17 +80,18 @@ def _function_call(item: dict[str, Any], where: str) -> dict[str, Any]:
             "function": {"name": _string(item, "name", where), "arguments": arguments}}
 
 
-def _call_output(item: dict[str, Any], where: str) -> str:
+def _call_output(item: dict[str, Any], where: str) -> str | list[dict[str, Any]]:
     output = item.get("output")
     if isinstance(output, str):
         return output
     if isinstance(output, list):
-        return _text_content(output, f"{where}.output")
-    raise bad_request(f"invalid {where}.output: must be a string or a list of text parts", param=f"{where}.output")
+        return _content(output, f"{where}.output")
+    raise bad_request(f"invalid {where}.output: must be a string or a list of content parts", param=f"{where}.output")
 
 
 def input_messages(raw: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """``input`` as chat messages (plain dicts: role, content, tool_calls, tool_call_id). Consecutive
+    """``input`` as chat messages (plain dicts, JSON as the response store keeps them: role, content (a string,
+    or with images a list of parts), tool_calls, tool_call_id). Consecutive
     ``function_call`` items join the assistant message before them, as chat templates expect."""
     if isinstance(raw, str):
         return [{"role": "user", "content": raw}]
@@ -84,7 +105,7 @@ def input_messages(raw: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
             role = item.get("role")
             if role not in _ROLES:
                 raise bad_request(f"invalid {where}.role={role!r}: must be one of {', '.join(_ROLES)}", param=f"{where}.role")
-            messages.append({"role": role, "content": _text_content(item.get("content"), f"{where}.content")})
+            messages.append({"role": role, "content": _content(item.get("content"), f"{where}.content")})
         elif kind == "function_call":
             call = _function_call(item, where)
             last = messages[-1] if messages else None
@@ -110,7 +131,7 @@ def chat_messages(plain: list[dict[str, Any]]) -> list[ChatMessage]:
     """Plain chat messages as the chat path's models."""
     out = []
     for m in plain:
-        out.append(ChatMessage(role=m["role"], content=m.get("content") or "", tool_calls=m.get("tool_calls"),
+        out.append(ChatMessage(role=m["role"], content=chat_content(m.get("content") or ""), tool_calls=m.get("tool_calls"),
                                tool_call_id=m.get("tool_call_id")))
     return out
 

@@ -16,6 +16,7 @@ from cllm.server.chat_page import page_router
 from cllm.server.completions import create_completion
 from cllm.server.embeddings import create_embeddings
 from cllm.server.errors import APIError, bad_request
+from cllm.server.images import message_contents
 from cllm.server.input_tokens import chat_input_tokens, response_input_tokens
 from cllm.server.metrics import CONTENT_TYPE
 from cllm.server.ready import determinism_of
@@ -195,7 +196,13 @@ async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
     if error is not None:
         raise bad_request(error[1], param=error[0])
     if body.messages is not None:
-        tokens = await run_in_threadpool(render_chat, model.engine, body.messages, body.add_generation_prompt is not False)
+        contents = await message_contents(body.messages, state.config.images, model.engine, model.name)
+        prompt = await run_in_threadpool(render_chat, model.engine, body.messages, body.add_generation_prompt is not False,
+                                         None, False, contents)
+        try:
+            tokens = await run_in_threadpool(model.engine.expanded_ids, prompt)
+        except ValueError as exc:
+            raise bad_request(str(exc), param="messages") from None
     else:
         param = "prompt" if body.prompt is not None else "content"
         try:

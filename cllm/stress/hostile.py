@@ -1,7 +1,10 @@
 """Hand-written hostile requests (issue 9's defects and classic parser traps); none may get a 5xx."""
 from __future__ import annotations
 
+import base64
 import json
+import struct
+import zlib
 from dataclasses import dataclass, field
 
 
@@ -21,6 +24,27 @@ def _json(name: str, path: str, payload: object) -> HostileCase:
 
 def _chat(content: object, **extra: object) -> dict:
     return {"messages": [{"role": "user", "content": content}], "max_tokens": 2, **extra}
+
+
+def _png(width: int, height: int, pixels: bytes = b"") -> bytes:
+    """A PNG whose header says ``width`` x ``height`` (8-bit RGB); ``pixels``: its raw scanlines, if any."""
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(pixels)) + chunk(b"IEND", b"")
+
+
+def image_data_url(data: bytes, media_type: str = "image/png") -> str:
+    return f"data:{media_type};base64,{base64.b64encode(data).decode()}"
+
+
+TINY_PNG = _png(1, 1, b"\x00\xff\x00\x00")  # one red pixel
+BOMB_PNG = _png(100_000, 100_000)  # a decompression bomb's header: 10^10 pixels claimed
+TRUNCATED_PNG = _png(64, 64, b"\x00" * (64 * 3 + 1) * 64)[:-40]
+
+
+def _image_url(url: str) -> dict:
+    return {"type": "image_url", "image_url": {"url": url}}
 
 
 def _numbers() -> list[HostileCase]:
@@ -81,6 +105,7 @@ def _structure_traps() -> list[HostileCase]:
         _json("unknown role", "/v1/chat/completions", {"messages": [{"role": "wizard", "content": "a"}]}),
         _json("image content part", "/v1/chat/completions",
               _chat([{"type": "image_url", "image_url": {"url": "http://x/y.png"}}])),
+        *_image_traps(),
         _json("empty prompt list", "/v1/completions", {"prompt": []}),
         _json("empty token prompt", "/v1/completions", {"prompt": [[]]}),
         _json("mixed prompt list", "/v1/completions", {"prompt": ["a", [1, 2]], "max_tokens": 2}),
@@ -93,6 +118,31 @@ def _structure_traps() -> list[HostileCase]:
         _json("logit_bias text key", "/v1/completions", {"prompt": "a", "max_tokens": 2, "logit_bias": {"x": 1}}),
         _json("top_logprobs without logprobs", "/v1/chat/completions", _chat("a", top_logprobs=2)),
         _json("tokenize both prompt and messages", "/tokenize", {"prompt": "a", "messages": [{"role": "user", "content": "b"}]}),
+    ]
+
+
+def _image_traps() -> list[HostileCase]:
+    """Images that must be a 400 naming the part (image URLs are off by default; a text-only model refuses
+    even good images with a 400), never a 5xx, a hang or an out-of-memory."""
+    chat = "/v1/chat/completions"
+    svg = image_data_url(b'<svg xmlns="http://www.w3.org/2000/svg"/>', "image/svg+xml")
+    return [
+        _json("image cloud metadata URL", chat, _chat([_image_url("http://169.254.169.254/latest/meta-data/")])),
+        _json("image loopback URL", chat, _chat([_image_url("http://127.0.0.1:22/")])),
+        _json("image file URL", chat, _chat([_image_url("file:///etc/passwd")])),
+        _json("image file path part", chat, _chat([{"type": "image", "image": "/etc/passwd"}])),
+        _json("image bomb header", chat, _chat([_image_url(image_data_url(BOMB_PNG))])),
+        _json("image truncated PNG", chat, _chat([_image_url(image_data_url(TRUNCATED_PNG))])),
+        _json("image SVG", chat, _chat([_image_url(svg)])),
+        _json("image not base64", chat, _chat([_image_url("data:image/png;base64,%%%not base64%%%")])),
+        _json("image empty data URL", chat, _chat([_image_url("data:image/png;base64,")])),
+        _json("image short form number", chat, _chat([{"type": "image_url", "image_url": 5}])),
+        _json("image in a system message", chat, {"messages": [
+            {"role": "system", "content": [_image_url(image_data_url(TINY_PNG))]}, {"role": "user", "content": "a"}],
+            "max_tokens": 2}),
+        _json("too many images", chat, _chat([_image_url(image_data_url(TINY_PNG))] * 64)),
+        _json("good image, text-only model", chat, _chat([{"type": "text", "text": "what is this?"},
+                                                          _image_url(image_data_url(TINY_PNG))])),
     ]
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from cllm.stress.hostile import HostileCase
+from cllm.stress.hostile import BOMB_PNG, TINY_PNG, TRUNCATED_PNG, HostileCase, image_data_url
 
 _JSON = {"Content-Type": "application/json"}
 
@@ -34,6 +34,16 @@ def _responses_cases() -> list[HostileCase]:
     p = "/v1/responses"
     return [
         _post("responses image part", p, {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}),
+        _post("responses image file_id", p, {"input": [{"role": "user", "content": [{"type": "input_image", "file_id": "f"}]}]}),
+        _post("responses image bomb header", p, {"input": [{"role": "user", "content": [
+            {"type": "input_image", "image_url": image_data_url(BOMB_PNG)}]}]}),
+        _post("responses image in an assistant message", p, {"input": [
+            {"role": "user", "content": "a"},
+            {"role": "assistant", "content": [{"type": "input_image", "image_url": image_data_url(TINY_PNG)}]}]}),
+        _post("responses image in a call output", p, {"input": [
+            {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "c", "output": [
+                {"type": "input_image", "image_url": image_data_url(TRUNCATED_PNG)}]}]}),
         _post("responses file part", p, {"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]}),
         _post("responses web_search tool", p, {"input": "a", "tools": [{"type": "web_search"}]}),
         _post("responses mcp tool", p, {"input": "a", "tools": [{"type": "mcp", "server_label": "x"}]}),
@@ -71,6 +81,15 @@ def _messages_cases() -> list[HostileCase]:
     return [
         _post("messages without max_tokens", p, {"model": "m", "messages": [{"role": "user", "content": "a"}]}),
         _post("messages image block", p, _msg([{"type": "image", "source": {"type": "url", "url": "http://x/y.png"}}])),
+        _post("messages truncated base64 image", p, _msg([{"type": "image", "source": {
+            "type": "base64", "media_type": "image/png", "data": image_data_url(TRUNCATED_PNG).split(",")[1]}}])),
+        _post("messages image claiming another type", p, _msg([{"type": "image", "source": {
+            "type": "base64", "media_type": "image/svg+xml", "data": "PHN2Zy8+"}}])),
+        _post("messages image loopback URL", p, _msg([{"type": "image", "source": {"type": "url", "url": "http://[::1]/"}}])),
+        _post("messages image in an assistant turn", p, {"model": "m", "max_tokens": 2, "messages": [
+            {"role": "user", "content": "a"},
+            {"role": "assistant", "content": [{"type": "image", "source": {
+                "type": "base64", "media_type": "image/png", "data": image_data_url(TINY_PNG).split(",")[1]}}]}]}),
         _post("messages document block", p, _msg([{"type": "document", "source": {"type": "text", "data": "x"}}])),
         _post("messages tool_use in a user turn", p, _msg([{"type": "tool_use", "id": "t", "name": "f", "input": {}}])),
         _post("messages tool_result in an assistant turn", p,

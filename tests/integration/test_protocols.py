@@ -160,7 +160,7 @@ def test_messages_errors_are_anthropic_shaped(server: ServerProcess):
     with pytest.raises(anthropic.BadRequestError) as err:
         client.messages.create(model=MODEL, max_tokens=10, messages=[{"role": "user", "content": [
             {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AA=="}}]}])
-    assert err.value.body["type"] == "error" and "messages.0.content.0.type" in err.value.body["error"]["message"]
+    assert err.value.body["type"] == "error" and "messages.0.content.0: image is not" in err.value.body["error"]["message"]
     with pytest.raises(anthropic.NotFoundError):
         client.messages.create(model="claude-nonexistent", max_tokens=10, messages=[{"role": "user", "content": "x"}])
 

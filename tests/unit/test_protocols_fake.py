@@ -174,6 +174,10 @@ def test_responses_parse_json_schema(served, oai):
 
 @pytest.mark.parametrize("body, param", [
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/y.png"}]}]},
+     "input[0].content[0]"),  # image URLs are not fetched unless allow_image_urls
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "file_id": "file-1"}]}]},
+     "input[0].content[0].file_id"),
+    ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "file-1"}]}]},
      "input[0].content[0].type"),
     ({"input": "x", "tools": [{"type": "web_search"}]}, "tools[0].type"),
     ({"input": [{"type": "computer_call", "id": "c"}]}, "input[0].type"),
@@ -262,7 +266,7 @@ def test_messages_count_tokens_matches_usage(served, ant):
     ({"model": "m", "messages": [{"role": "user", "content": "x"}]}, "max_tokens"),
     ({"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": [
         {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AA=="}}]}]},
-     "messages.0.content.0.type"),
+     "messages.0.content.0: image is not a PNG"),
     ({"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "x"}],
       "tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools.0.type"),
     ({"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "x"}], "tool_choice": {"type": "sometimes"}},

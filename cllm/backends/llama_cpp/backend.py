@@ -19,6 +19,7 @@ Design decisions a reader would otherwise rediscover:
 """
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Sequence
@@ -40,9 +41,14 @@ from cllm.backends.llama_cpp.cpu_room import CpuRoom
 from cllm.backends.llama_cpp.thread_governor import ThreadGovernor, work_class
 from cllm.backends.llama_cpp.threads import default_n_threads, physical_cores, usable_cpus
 from cllm.backends.llama_cpp.tokenizer import LlamaCppTokenizer
+from cllm.backends.llama_cpp.vision import MtmdContext, find_mmproj, llama_pos
 from cllm.backends.llama_cpp.weights import prepare_weights
 from cllm.config import CllmConfig
 from cllm.model_path import resolve_model_path
+from cllm.multimodal.prompt import MultimodalPrompt
+from cllm.multimodal.span import ImageSpan, cache_keys
+
+log = logging.getLogger(__name__)
 
 DECODE_OK = 0
 DECODE_NO_KV_SLOT = 1
@@ -144,12 +150,27 @@ class LlamaCppBackend(Backend):
             kv_tokens=self._ctx.n_ctx,
         )
         self._embedding_config = config.embeddings
+        self._vision = self._load_vision(lc.mmproj)
+        self.supports_images = self._vision is not None
         self._embedder: LlamaEmbedder | None = None  # its own context, made on first embed()
         self._queried_tokens = 0
         self._hit_tokens = 0
         # (queried, hit) of admissions not yet run: counted at the first decode, dropped on a rollback
         # (an admission refused for KV is retried later and must not count twice).
         self._uncounted: dict[str, tuple[int, int]] = {}
+
+    def _load_vision(self, setting: str | None) -> MtmdContext | None:
+        mmproj = find_mmproj(self.model_path, setting)
+        if mmproj is None:
+            return None
+        vision = MtmdContext(path=mmproj, model=self._model, n_threads=self._n_threads, use_gpu=self.on_gpu)
+        log.info("images: projector %s (M-RoPE: %s)", mmproj, vision.uses_mrope)
+        return vision
+
+    def expand_images(self, prompt: MultimodalPrompt) -> tuple[list[int], tuple[ImageSpan, ...]]:
+        if self._vision is None:
+            return super().expand_images(prompt)
+        return self._vision.expand(prompt.ids, prompt.images)
 
     # ------------------------------------------------------------------ info
     @property
@@ -177,8 +198,9 @@ class LlamaCppBackend(Backend):
         return (self._queried_tokens, self._hit_tokens)
 
     # ------------------------------------------------------------- admission
-    def admit(self, sequence_id: str, token_ids: Sequence[int], *, reuse_prefix: bool = True) -> Admission | None:
-        tokens = list(token_ids)
+    def admit(self, sequence_id: str, token_ids: Sequence[int], *, reuse_prefix: bool = True,
+              images: Sequence[ImageSpan] = ()) -> Admission | None:
+        tokens = cache_keys(token_ids, images) if images else list(token_ids)
         with self._pool.lock:
             use_cache = self._prefix_cache and reuse_prefix
             min_match = max(1, math.ceil(self._similarity * len(tokens))) if use_cache else 0
@@ -187,7 +209,8 @@ class LlamaCppBackend(Backend):
                 return None
             slot, match = choice
             self._pool.acquire(sequence_id, slot)
-            limit = len(tokens) - 1  # the last prompt token is always evaluated: its logits are sampled
+            slot.spans = tuple(images)  # (the prefix kept below is the same under the old owner's images)
+            limit = _outside_images(images, len(tokens) - 1)  # the last prompt token is always evaluated: its logits are sampled
             in_place = min(match.length, limit) if match is not None and match.slot is slot else 0
             saved = self._saved.take(tokens, min_match=max(min_match, match.length + 1 if match else 0)) \
                 if use_cache and self._saved.capacity_bytes else None
@@ -253,7 +276,7 @@ class LlamaCppBackend(Backend):
             self._ctx.seq_rm(slot.seq_id)
             slot.tokens = []
         elif len(slot.tokens) > keep:
-            if not self._ctx.seq_rm(slot.seq_id, keep, -1):
+            if not self._ctx.seq_rm(slot.seq_id, llama_pos(slot.spans, keep), -1):
                 self._ctx.seq_rm(slot.seq_id)  # partial removal unsupported: start clean
                 slot.tokens = []
             else:
@@ -341,6 +364,11 @@ class LlamaCppBackend(Backend):
         n = len(flat_ids)
         if not (n == len(positions) == len(sequence_ids)) or n == 0:
             raise ValueError(f"forward_batch needs equal, non-empty arrays (got {n}, {len(positions)}, {len(sequence_ids)})")
+        if self._vision is not None:
+            flat_ids, positions, sequence_ids = self._decode_images(flat_ids, positions, sequence_ids)
+            n = len(flat_ids)
+            if n == 0:  # the step was images only: nothing samples
+                return np.empty((0, self._model.n_vocab), dtype=np.float32)
         slots, last_row = self._map_sequences(sequence_ids)
         wanted = list(last_row) if logits_for is None else list(logits_for)
         rows = [last_row[s] for s in wanted]
@@ -361,7 +389,9 @@ class LlamaCppBackend(Backend):
         rows = [position_of[r] for r in rows]
         # llama.cpp computes one output row per flagged token, in batch order (a token flagged twice counts once).
         flagged = sorted(set(rows))
-        self._batch.fill([flat_ids[i] for i in order], [positions[i] for i in order], [seq_ids[i] for i in order],
+        llama_positions = positions if self._vision is None or not self._vision.uses_mrope else \
+            [llama_pos(slots[sid].spans, p) for p, sid in zip(positions, sequence_ids)]
+        self._batch.fill([flat_ids[i] for i in order], [llama_positions[i] for i in order], [seq_ids[i] for i in order],
                          flagged)
         rc = self._governed_decode(n, max(positions))
         if rc == DECODE_NO_KV_SLOT:
@@ -375,6 +405,36 @@ class LlamaCppBackend(Backend):
         # Reorder (and copy) the batch-order output rows into the order asked for.
         row_of = {r: i for i, r in enumerate(flagged)}
         return self._ctx.output_logits(len(flagged))[[row_of[r] for r in rows]]
+
+    def _decode_images(self, flat_ids: Sequence[int], positions: Sequence[int],
+                       sequence_ids: Sequence[str]) -> tuple[list[int], list[int], list[str]]:
+        """Encode and decode every image this step reaches (a sequence's chunk starts at its span:
+        Request.fit_chunk), each in llama_decode calls of its own ahead of the token batch; the batch's
+        other tokens, to decode as usual. BackendError names the sequences whose image failed."""
+        first: dict[str, int] = {}
+        for i, sid in enumerate(sequence_ids):
+            first.setdefault(sid, i)
+        image_rows: set[int] = set()
+        failed: list[str] = []
+        for sid, i in first.items():
+            slot = self._owned(sid)
+            span = next((s for s in slot.spans if s.start == positions[i]), None)
+            if span is None:
+                continue
+            try:
+                self._vision.decode(self._ctx.ptr, span, pos=llama_pos(slot.spans, span.start), seq_id=slot.seq_id,
+                                    n_batch=self._capacity.max_batch_tokens)
+            except RuntimeError as err:
+                self._ctx.seq_rm(slot.seq_id, llama_pos(slot.spans, span.start), -1)
+                failed.append(sid)
+                log.warning("image of %s failed: %s", sid, err)
+                continue
+            slot.tokens += cache_keys([0] * span.length, [ImageSpan(0, span.length, span.image)])
+            image_rows.update(range(i, i + span.length))
+        if failed:
+            raise BackendError("the image encoder or its decode failed", failed)
+        keep = [i for i in range(len(flat_ids)) if i not in image_rows]
+        return [flat_ids[i] for i in keep], [positions[i] for i in keep], [sequence_ids[i] for i in keep]
 
     def _count_prefix_stats(self, slots: dict[str, Slot]) -> None:
         """Count the prefix-cache stats of sequences that just ran for the first time since admission."""
@@ -461,11 +521,14 @@ class LlamaCppBackend(Backend):
         self._truncate(slot, 0)
         if not self._ctx.load_seq(slot.seq_id, state):
             return False
-        slot.tokens = list(token_ids)
+        slot.tokens = cache_keys(token_ids, slot.spans)
         slot.reserved = max(slot.reserved, len(slot.tokens))
         return True
 
     def close(self) -> None:
+        vision, self._vision = getattr(self, "_vision", None), None
+        if vision is not None:
+            vision.close()
         ctx, model = getattr(self, "_ctx", None), getattr(self, "_model", None)
         embedder, self._embedder = getattr(self, "_embedder", None), None
         if embedder is not None:
@@ -474,6 +537,15 @@ class LlamaCppBackend(Backend):
             ctx.close()
         if model is not None:
             model.close()
+
+
+def _outside_images(spans: Sequence[ImageSpan], limit: int) -> int:
+    """``limit`` moved back to the start of an image it falls inside: a prefix-cache hit never ends within an
+    image, whose embeddings are decoded whole."""
+    for span in spans:
+        if span.start < limit < span.end:
+            return span.start
+    return limit
 
 
 def _rows_of(sequence_ids: Sequence[str], wanted: Sequence[str]) -> list[int]:

@@ -23,6 +23,7 @@ class Slot:
     reserved: int = 0  # KV cells counted for the owner (>= len(tokens))
     last_used: int = 0  # LRU clock value of the last acquire/release
     saved: bool = False  # what it holds was copied to the host prompt cache (reset when a prompt takes it)
+    spans: tuple = ()  # ImageSpans of its owner's prompt (tokens holds their cache keys: multimodal.span.cache_keys)
 
 
 @dataclass(slots=True, frozen=True)

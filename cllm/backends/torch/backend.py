@@ -39,8 +39,11 @@ from cllm.backends.torch.hf_model import TransformersCausalLM, generic_spec
 from cllm.backends.torch.model import CausalLM
 from cllm.backends.torch.tokenizer import HFTokenizer
 from cllm.backends.torch.transfer import to_device
+from cllm.backends.torch.vision import TorchVision
 from cllm.config import CllmConfig
 from cllm.model_path import resolve_model_path
+from cllm.multimodal.prompt import MultimodalPrompt
+from cllm.multimodal.span import ImageSpan, cache_keys
 from cllm.progress import phase
 
 log = logging.getLogger("cllm.torch")
@@ -104,6 +107,11 @@ class TorchBackend(Backend):
                 pad_rows=self._invariant,
             )
         self._tokenizer = _load_tokenizer(loaded, self.spec.vocab_size, config.model.chat_template)
+        # A vision-language checkpoint: the processor and the vision tower (vision.py)
+        self._vision = TorchVision.load(self.model.hf, loaded.tokenizer_dir, device=self.device, dtype=self.dtype) \
+            if loaded.vision else None
+        self.supports_images = self._vision is not None
+        self._images: dict[str, tuple[ImageSpan, ...]] = {}  # sequences with images -> their spans
         del loaded
         block_size = config.torch.block_size
         max_seqs, max_tokens = _step_limits(config, self.device)
@@ -300,15 +308,29 @@ class TorchBackend(Backend):
 
     # ----- contract: KV room ---------------------------------------------------------------
 
-    def admit(self, sequence_id: str, token_ids: Sequence[int], *, reuse_prefix: bool = True) -> Admission | None:
+    def expand_images(self, prompt: MultimodalPrompt) -> tuple[list[int], tuple[ImageSpan, ...]]:
+        if self._vision is None:
+            return super().expand_images(prompt)
+        return self._vision.expand(prompt.ids, prompt.images)
+
+    def admit(self, sequence_id: str, token_ids: Sequence[int], *, reuse_prefix: bool = True,
+              images: Sequence[ImageSpan] = ()) -> Admission | None:
         if len(self.blocks) >= self._capacity.max_num_seqs:
             return None
+        if images:  # blocks are hashed over the images' pixel keys (a hit may end inside an image: its rest is encoded again)
+            self._images[sequence_id] = tuple(images)
+            token_ids = cache_keys(token_ids, images)
         return Admission(num_cached_tokens=self.blocks.admit(sequence_id, token_ids, reuse_prefix=reuse_prefix))
+
+    def _keys(self, sequence_id: str, token_ids: Sequence[int]) -> Sequence[int]:
+        spans = self._images.get(sequence_id)
+        return cache_keys(token_ids, spans) if spans else token_ids
 
     def reserve(self, sequence_id: str, num_tokens: int) -> bool:
         return self.blocks.reserve(sequence_id, num_tokens)
 
     def release(self, sequence_id: str, *, keep_cache: bool = True) -> None:
+        self._images.pop(sequence_id, None)
         self.blocks.release(sequence_id, keep_cache=keep_cache)
 
     def truncate(self, sequence_id: str, num_tokens: int) -> int:
@@ -344,13 +366,32 @@ class TorchBackend(Backend):
         rows = self._logit_rows(chunks, wanted) + self._all_rows(chunks, all_logits_for)
         self._ensure_room(chunks)
         try:
-            logits = self._run(ids, pos, chunks, rows)
+            images = self._image_rows(chunks) if self._images else []
+            logits = self._run(ids, pos, chunks, rows, images)
         except Exception as err:  # the engine fails these sequences and lives on
             raise BackendError(f"torch forward failed: {type(err).__name__}: {err}", [c.seq_id for c in chunks]) from err
         flat = ids.tolist()  # one conversion, sliced per sequence (not one small array's tolist each)
         for c in chunks:
-            self.blocks.record_computed_of(c.blocks, c.start_pos, flat[c.row_start : c.row_end])
+            tokens = flat[c.row_start : c.row_end]
+            if c.seq_id in self._images:
+                tokens = self._keys(c.seq_id, [0] * c.start_pos + tokens)[c.start_pos:]
+            self.blocks.record_computed_of(c.blocks, c.start_pos, tokens)
         return logits
+
+    def _image_rows(self, chunks: list[StepChunk]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(flat rows, embeddings) of every image placeholder this step evaluates: the rows whose token
+        embeddings the image's features replace."""
+        out = []
+        for c in chunks:
+            start, end = c.start_pos, c.start_pos + c.row_end - c.row_start
+            for span in self._images.get(c.seq_id, ()):
+                if span.end <= start or span.start >= end:
+                    continue
+                offsets, feats = self._vision.features(span)
+                at = span.start + offsets  # positions of the placeholders
+                keep = (at >= start) & (at < end)
+                out.append(((at[keep] - start + c.row_start).to(self.device), feats[keep.to(feats.device)]))
+        return out
 
     def forward_ahead(self, token_ids: torch.Tensor | None, positions: Sequence[int], sequence_ids: Sequence[str], *,
                       flat_ids: Sequence[int] = (), flat_positions: Sequence[int] = (),
@@ -451,10 +492,14 @@ class TorchBackend(Backend):
                 raise KVCacheFullError(f"KV cache full: no block free for sequence {c.seq_id!r}", [c.seq_id])
 
     @torch.inference_mode()
-    def _run(self, ids: np.ndarray | torch.Tensor, pos: np.ndarray, chunks: list[StepChunk], rows: list[int]) -> np.ndarray | torch.Tensor:
+    def _run(self, ids: np.ndarray | torch.Tensor, pos: np.ndarray, chunks: list[StepChunk], rows: list[int],
+             images: list[tuple[torch.Tensor, torch.Tensor]] = ()) -> np.ndarray | torch.Tensor:
         """The step's logits rows ``rows``. ``ids`` is a host array, or (a step launched ahead) a tensor
-        already on the device, for a pure decode step."""
+        already on the device, for a pure decode step. ``images``: (rows, embeddings) in place of those
+        rows' token embeddings (a step with images runs eagerly)."""
         seq_chunks = [SeqChunk(c.row_start, c.row_end - c.row_start, c.start_pos, c.blocks.block_ids) for c in chunks]
+        if images:
+            return self._out(self._forward_eager(ids, pos, seq_chunks, rows, images))
         if self._graphs is not None and len(chunks) == len(ids):  # a pure decode step: replay a graph
             logits = self._graphs.run(ids, seq_chunks)
             if logits is not None:  # rows in chunk order; row_start == chunk index here
@@ -515,7 +560,8 @@ class TorchBackend(Backend):
             wanted[from_rest] = len(graph_rows) + np.arange(int(from_rest.sum()))
         return logits.index_select(0, self._to_device(wanted))
 
-    def _forward_eager(self, ids: np.ndarray | torch.Tensor, pos: np.ndarray, seq_chunks: list[SeqChunk], rows: list[int]) -> torch.Tensor:
+    def _forward_eager(self, ids: np.ndarray | torch.Tensor, pos: np.ndarray, seq_chunks: list[SeqChunk], rows: list[int],
+                       images: list[tuple[torch.Tensor, torch.Tensor]] = ()) -> torch.Tensor:
         """One step without a graph. If FlexAttention fails to compile for it, the step is run again with
         SDPA (its K/V writes land in the same slots with the same values) and so is every later eager step:
         a compile failure costs speed, never a request (logged once)."""
@@ -524,8 +570,9 @@ class TorchBackend(Backend):
         q_per_kv = self.spec.num_heads // self.spec.num_kv_heads
         batch = build_attention_batch(seq_chunks, self.kv, q_per_kv=q_per_kv, mode=self._eager_attention,
                                       flex_fn=self._flex_fn, windows=self._windows)
+        extra = {"images": images} if images else {}
         try:
-            return self.model(*inputs, self.kv, batch, logit_rows)
+            return self.model(*inputs, self.kv, batch, logit_rows, **extra)
         except Exception as err:
             if self._eager_attention != "flex" or not is_compile_error(err):
                 raise
@@ -533,7 +580,7 @@ class TorchBackend(Backend):
                         "use SDPA from now on", len(ids), type(err).__name__, str(err).splitlines()[0] if str(err) else "")
             self._eager_attention = "sdpa"
         batch = build_attention_batch(seq_chunks, self.kv, q_per_kv=q_per_kv, mode="sdpa")
-        return self.model(*inputs, self.kv, batch, logit_rows)
+        return self.model(*inputs, self.kv, batch, logit_rows, **extra)
 
     def _out(self, logits: torch.Tensor) -> np.ndarray | torch.Tensor:
         """The step's logits for the engine: left on the device for the torch sampler, else a numpy copy."""
@@ -588,6 +635,7 @@ class TorchBackend(Backend):
         """
         snap = torch.load(io.BytesIO(state), map_location="cpu", weights_only=True)
         tokens: list[int] = snap["tokens"]
+        token_ids = self._keys(sequence_id, token_ids)
         if token_ids and list(token_ids) != tokens:
             raise ValueError(f"sequence {sequence_id!r}: token_ids differ from the snapshot's tokens")
         self.blocks.truncate(sequence_id, len(tokens))
@@ -662,7 +710,7 @@ class TorchBackend(Backend):
         Blocks its admission matched in the local prefix cache already hold these tokens' KV
         (and may be shared), so they are kept, not overwritten.
         """
-        tokens = list(token_ids)
+        tokens = list(self._keys(sequence_id, token_ids))
         header = json.loads(bytes(segments[0]))
         expected = self._kv_geometry(len(tokens))
         if header != expected:

@@ -26,6 +26,7 @@ transformers and stores its own copy.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -227,10 +228,19 @@ class TransformersCausalLM:
         return out.last_hidden_state[0]
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: PagedKVCache, batch: AttentionBatch,
-                 logit_rows: torch.Tensor) -> torch.Tensor:
-        """Float32 logits ``[len(logit_rows), vocab]`` of the given flat rows; K/V of all tokens cached."""
-        out = self.hf(input_ids=input_ids[None], position_ids=positions[None], use_cache=False,
-                      logits_to_keep=logit_rows, cllm_step=_Step(self, cache, batch))
+                 logit_rows: torch.Tensor, images: Sequence[tuple[torch.Tensor, torch.Tensor]] = ()) -> torch.Tensor:
+        """Float32 logits ``[len(logit_rows), vocab]`` of the given flat rows; K/V of all tokens cached.
+        ``images``: (flat rows, embeddings) that replace those rows' token embeddings (a VLM's image
+        placeholders, as transformers' own forward scatters its image features)."""
+        if images:
+            embeds = self.hf.get_input_embeddings()(input_ids[None])
+            for rows, feats in images:
+                embeds[0, rows] = feats.to(embeds.dtype)
+            inputs = {"inputs_embeds": embeds}
+        else:
+            inputs = {"input_ids": input_ids[None]}
+        out = self.hf(**inputs, position_ids=positions[None], use_cache=False, logits_to_keep=logit_rows,
+                      cllm_step=_Step(self, cache, batch))
         return out.logits[0].float()
 
 

@@ -71,6 +71,7 @@ class LoadedModel:
     gguf_file: str | None  # GGUF file name inside tokenizer_dir, if loaded from GGUF
     eos_token_ids: tuple[int, ...] = ()  # end tokens named by the model's (generation) config
     hf_model: Any = None  # the transformers model, when its own code runs it (model_impl transformers)
+    vision: bool = False  # hf_model is a vision-language model (AutoModelForImageTextToText): images in prompts
 
 
 def check_architecture(arch: str | None) -> str:
@@ -157,6 +158,7 @@ def load_model(path: Path, model_impl: str = "auto") -> LoadedModel:
 
 
 def _load_hf_dir(path: Path, model_impl: str) -> LoadedModel:
+    from cllm.backends.torch.vision import is_vision_config
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from cllm.backends.torch.hf_model import ATTENTION_NAME, register_attention
@@ -172,15 +174,37 @@ def _load_hf_dir(path: Path, model_impl: str) -> LoadedModel:
     except (ValueError, KeyError) as err:
         raise ValueError(f"the torch backend does not support model architecture {raw.get('model_type')!r}: "
                          f"transformers cannot read its config ({err}); {served_summary()}; {llama_cpp_route()}") from err
-    eos = _as_ids(getattr(config, "eos_token_id", None))
+    eos = _as_ids(getattr(config, "eos_token_id", None)) + _as_ids(getattr(config.get_text_config(), "eos_token_id", None))
     generation = path / "generation_config.json"
     if generation.is_file():
         eos += _as_ids(json.loads(generation.read_text()).get("eos_token_id"))
+    if is_vision_config(config):
+        return _load_vision_model(path, config, model_impl, eos)
     if choose_impl(model_impl, config) == "native":
         return LoadedModel(spec_from_config(config), _read_tensors(path), path, None, eos)
     register_attention()
     hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=ATTENTION_NAME)
     return LoadedModel(None, {}, path, None, eos, hf_model.eval())
+
+
+def _load_vision_model(path: Path, config: Any, model_impl: str, eos: tuple[int, ...]) -> LoadedModel:
+    """A vision-language checkpoint: transformers' model, its decoder on the paged attention, its vision
+    tower (and any other part) on SDPA."""
+    from transformers import AutoModelForImageTextToText
+
+    from cllm.backends.torch.hf_model import ATTENTION_NAME, register_attention
+
+    if model_impl == "native":
+        raise ValueError(f"model_impl=native cannot run the vision-language model {config.model_type!r}: "
+                         "use model_impl auto or transformers")
+    register_attention()
+    attention = {name: ATTENTION_NAME if name == "text_config" else "sdpa" for name in config.sub_configs}
+    attention[""] = "sdpa"
+    try:
+        hf_model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32, attn_implementation=attention)
+    except ValueError as err:
+        raise ValueError(f"transformers cannot build the vision-language model {config.model_type!r}: {err}") from None
+    return LoadedModel(None, {}, path, None, eos, hf_model.eval(), vision=True)
 
 
 def _as_ids(value: int | list[int] | None) -> tuple[int, ...]:
