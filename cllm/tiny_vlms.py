@@ -164,7 +164,9 @@ def vlm_config(family: str):
                              vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=True,
                              initializer_range=INIT_RANGE, **_text_settings())
     if family == "gemma3":
+        # query_pre_attn_scalar = head_dim: the converter does not write it (llama.cpp scales by 1/sqrt(head_dim)).
         text = tiny_config("gemma3_text", vocab_size=n_vocab, num_hidden_layers=2, sliding_window=4096,
+                           query_pre_attn_scalar=16,
                            layer_types=["sliding_attention", "sliding_attention"]).to_dict()
         vision = dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                       num_attention_heads=2, image_size=IMAGE_SIZE[family], patch_size=PATCH_SIZE[family],
