@@ -19,7 +19,7 @@ from pathlib import Path
 from llama_cpp import llama_cpp as C
 from llama_cpp import mtmd_cpp as M
 
-from cllm.backends.llama_cpp.native import LlamaModelHandle
+from cllm.backends.llama_cpp.native import LlamaModelHandle, _silent_log
 from cllm.multimodal.image import ImageData
 from cllm.multimodal.span import ImageSpan
 
@@ -80,6 +80,9 @@ class MtmdContext:
     """A loaded projector (mtmd_context*), bound to the text model it feeds."""
 
     def __init__(self, *, path: Path, model: LlamaModelHandle, n_threads: int, use_gpu: bool) -> None:
+        # libmtmd and its helpers log through their own hooks: into cllm's logger, as llama.cpp's log
+        M.mtmd_log_set(_silent_log, None)
+        M.mtmd_helper_log_set(_silent_log, None)
         params = M.mtmd_context_params_default()
         params.use_gpu = use_gpu
         params.n_threads = n_threads

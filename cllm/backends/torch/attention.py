@@ -73,6 +73,8 @@ class SeqChunk:
     num_tokens: int  # its tokens this step
     start_pos: int  # position of its first token (= its tokens already in KV)
     block_ids: Sequence[int]  # its block table (covers start_pos + num_tokens tokens)
+    # [start, end) position ranges whose tokens see each other both ways (a Gemma 3 image's tokens); SDPA path
+    bidirectional: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(slots=True)
@@ -234,7 +236,7 @@ def is_tail(c: SeqChunk) -> bool:
     are written before attention runs, and each of its queries sees exactly the positions up to its
     own, as a decode does. On an H200, 256 such chunks (a burst sharing a prompt) cost a second of
     host time as 4,096 separate attention calls (16 layers), versus one call per layer this way."""
-    return c.start_pos > 0 and 1 < c.num_tokens <= MAX_TAIL_TOKENS
+    return c.start_pos > 0 and 1 < c.num_tokens <= MAX_TAIL_TOKENS and not c.bidirectional
 
 
 def _flex_decode(single: Sequence[SeqChunk], cache: PagedKVCache, whole_batch: bool, q_per_kv: int) -> FlexDecode:
@@ -254,10 +256,22 @@ def _fresh_chunk(c: SeqChunk, window: int | None = None, device: torch.device | 
     """A chunk at position 0: causal attention over its own K/V, no mask (a token-by-token mask when
     a sliding window is shorter than the chunk)."""
     mask = None
-    if window is not None and c.num_tokens > window:
+    if (window is not None and c.num_tokens > window) or c.bidirectional:
         pos = np.arange(c.num_tokens)
-        mask = to_device((pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - window), device)
+        allowed = pos[None, :] <= pos[:, None]
+        if window is not None:
+            allowed &= pos[None, :] > pos[:, None] - window
+        mask = to_device(_both_ways(allowed, pos, pos, c.bidirectional), device)
     return PrefillChunk(c.row_start, c.row_start + c.num_tokens, None, mask)
+
+
+def _both_ways(allowed: np.ndarray, q_pos: np.ndarray, keys: np.ndarray,
+               ranges: Sequence[tuple[int, int]]) -> np.ndarray:
+    """``allowed`` with every query in a range also seeing the range's later keys (as transformers' Gemma 3
+    attends an image's tokens to each other)."""
+    for start, end in ranges:
+        allowed |= ((q_pos >= start) & (q_pos < end))[:, None] & ((keys >= start) & (keys < end))[None, :]
+    return allowed
 
 
 def _padded_tables(chunks: Sequence[SeqChunk], num_blocks: Sequence[int]) -> np.ndarray:
@@ -307,6 +321,7 @@ def _prefill_chunk(c: SeqChunk, cache: PagedKVCache, q_per_kv: int, window: int 
     allowed = keys[None, :] <= q_pos[:, None]
     if window is not None:
         allowed &= keys[None, :] > q_pos[:, None] - window
+    allowed = _both_ways(allowed, q_pos, keys, c.bidirectional)
     # Folded GQA: query rows are (head-in-group, token), so the token mask repeats per head.
     mask = np.tile(allowed, (q_per_kv, 1))[None, None]
     return PrefillChunk(c.row_start, c.row_start + c.num_tokens, index, to_device(mask, device))

@@ -367,7 +367,8 @@ class TorchBackend(Backend):
         self._ensure_room(chunks)
         try:
             images = self._image_rows(chunks) if self._images else []
-            logits = self._run(ids, pos, chunks, rows, images)
+            rope = self._rope_positions(chunks, pos) if self._images and self._vision.uses_mrope else None
+            logits = self._run(ids, pos, chunks, rows, images, rope)
         except Exception as err:  # the engine fails these sequences and lives on
             raise BackendError(f"torch forward failed: {type(err).__name__}: {err}", [c.seq_id for c in chunks]) from err
         flat = ids.tolist()  # one conversion, sliced per sequence (not one small array's tolist each)
@@ -377,6 +378,41 @@ class TorchBackend(Backend):
                 tokens = self._keys(c.seq_id, [0] * c.start_pos + tokens)[c.start_pos:]
             self.blocks.record_computed_of(c.blocks, c.start_pos, tokens)
         return logits
+
+    def _both_ways(self, c: StepChunk) -> tuple[tuple[int, int], ...]:
+        """The image ranges of a chunk whose tokens see each other both ways (vision.bidirectional)."""
+        if not self._vision.bidirectional:
+            return ()
+        end = c.start_pos + c.row_end - c.row_start
+        ranges = (self._vision.image_range(s) for s in self._images.get(c.seq_id, ()))
+        return tuple((a, b) for a, b in ranges if a < end and b > c.start_pos)
+
+    def _rope_positions(self, chunks: list[StepChunk], pos: np.ndarray) -> torch.Tensor | None:
+        """M-RoPE: the step's ``[3, T]`` rope positions where a sequence has images (time, row, column of each
+        image token; text after an image continues from its largest position + 1); None when no sequence in
+        the step has one (each token's index is its position)."""
+        rope: np.ndarray | None = None
+        for c in chunks:
+            spans = self._images.get(c.seq_id)
+            if not spans:
+                continue
+            if rope is None:
+                rope = np.broadcast_to(pos, (3, len(pos))).copy()
+            start, n = c.start_pos, c.row_end - c.row_start
+            index = np.arange(start, start + n)
+            shift = np.zeros(n, dtype=np.int64)
+            for span in spans:
+                mrope = span.payload.mrope
+                base = span.start - int(shift[0]) if False else None  # (set below, per span)
+                before = sum(s.length - s.positions for s in spans if s.end <= span.start)
+                inside = (index >= span.start) & (index < span.end)
+                if inside.any():
+                    base = span.start - before
+                    rope[:, c.row_start + np.flatnonzero(inside)] = base + mrope[:, index[inside] - span.start].numpy()
+                shift[index >= span.end] += span.length - span.positions
+            text = ~np.isin(index, [i for s in spans for i in range(s.start, s.end)])
+            rope[:, c.row_start + np.flatnonzero(text)] = (index - shift)[text]
+        return None if rope is None else self._to_device(rope)
 
     def _image_rows(self, chunks: list[StepChunk]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(flat rows, embeddings) of every image placeholder this step evaluates: the rows whose token
@@ -493,13 +529,14 @@ class TorchBackend(Backend):
 
     @torch.inference_mode()
     def _run(self, ids: np.ndarray | torch.Tensor, pos: np.ndarray, chunks: list[StepChunk], rows: list[int],
-             images: list[tuple[torch.Tensor, torch.Tensor]] = ()) -> np.ndarray | torch.Tensor:
+             images: list[tuple[torch.Tensor, torch.Tensor]] = (), rope: torch.Tensor | None = None) -> np.ndarray | torch.Tensor:
         """The step's logits rows ``rows``. ``ids`` is a host array, or (a step launched ahead) a tensor
         already on the device, for a pure decode step. ``images``: (rows, embeddings) in place of those
         rows' token embeddings (a step with images runs eagerly)."""
-        seq_chunks = [SeqChunk(c.row_start, c.row_end - c.row_start, c.start_pos, c.blocks.block_ids) for c in chunks]
-        if images:
-            return self._out(self._forward_eager(ids, pos, seq_chunks, rows, images))
+        seq_chunks = [SeqChunk(c.row_start, c.row_end - c.row_start, c.start_pos, c.blocks.block_ids,
+                               self._both_ways(c) if images else ()) for c in chunks]
+        if images or rope is not None:
+            return self._out(self._forward_eager(ids, pos, seq_chunks, rows, images, rope))
         if self._graphs is not None and len(chunks) == len(ids):  # a pure decode step: replay a graph
             logits = self._graphs.run(ids, seq_chunks)
             if logits is not None:  # rows in chunk order; row_start == chunk index here
@@ -561,16 +598,20 @@ class TorchBackend(Backend):
         return logits.index_select(0, self._to_device(wanted))
 
     def _forward_eager(self, ids: np.ndarray | torch.Tensor, pos: np.ndarray, seq_chunks: list[SeqChunk], rows: list[int],
-                       images: list[tuple[torch.Tensor, torch.Tensor]] = ()) -> torch.Tensor:
+                       images: list[tuple[torch.Tensor, torch.Tensor]] = (), rope: torch.Tensor | None = None) -> torch.Tensor:
         """One step without a graph. If FlexAttention fails to compile for it, the step is run again with
         SDPA (its K/V writes land in the same slots with the same values) and so is every later eager step:
         a compile failure costs speed, never a request (logged once)."""
         inputs = (self._to_device(ids), self._to_device(pos))
         logit_rows = self._to_device(np.asarray(rows, dtype=np.int64))
         q_per_kv = self.spec.num_heads // self.spec.num_kv_heads
-        batch = build_attention_batch(seq_chunks, self.kv, q_per_kv=q_per_kv, mode=self._eager_attention,
+        # (image tokens that see each other both ways: only the SDPA path's masks say so)
+        mode = "sdpa" if any(c.bidirectional for c in seq_chunks) else self._eager_attention
+        batch = build_attention_batch(seq_chunks, self.kv, q_per_kv=q_per_kv, mode=mode,
                                       flex_fn=self._flex_fn, windows=self._windows)
         extra = {"images": images} if images else {}
+        if rope is not None:
+            extra["rope_positions"] = rope
         try:
             return self.model(*inputs, self.kv, batch, logit_rows, **extra)
         except Exception as err:

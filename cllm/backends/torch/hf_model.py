@@ -228,10 +228,12 @@ class TransformersCausalLM:
         return out.last_hidden_state[0]
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: PagedKVCache, batch: AttentionBatch,
-                 logit_rows: torch.Tensor, images: Sequence[tuple[torch.Tensor, torch.Tensor]] = ()) -> torch.Tensor:
+                 logit_rows: torch.Tensor, images: Sequence[tuple[torch.Tensor, torch.Tensor]] = (),
+                 rope_positions: torch.Tensor | None = None) -> torch.Tensor:
         """Float32 logits ``[len(logit_rows), vocab]`` of the given flat rows; K/V of all tokens cached.
         ``images``: (flat rows, embeddings) that replace those rows' token embeddings (a VLM's image
-        placeholders, as transformers' own forward scatters its image features)."""
+        placeholders, as transformers' own forward scatters its image features). ``rope_positions``: M-RoPE's
+        ``[3, T]`` positions in place of ``positions`` for rope (the cache is still laid out by index)."""
         if images:
             embeds = self.hf.get_input_embeddings()(input_ids[None])
             for rows, feats in images:
@@ -239,7 +241,8 @@ class TransformersCausalLM:
             inputs = {"inputs_embeds": embeds}
         else:
             inputs = {"input_ids": input_ids[None]}
-        out = self.hf(**inputs, position_ids=positions[None], use_cache=False, logits_to_keep=logit_rows,
+        position_ids = positions[None] if rope_positions is None else rope_positions[:, None, :]
+        out = self.hf(**inputs, position_ids=position_ids, use_cache=False, logits_to_keep=logit_rows,
                       cllm_step=_Step(self, cache, batch))
         return out.logits[0].float()
 

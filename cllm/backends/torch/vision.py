@@ -34,6 +34,7 @@ class ImageInputs:
 
     tensors: dict[str, torch.Tensor]  # pixel_values and the model's other image inputs (image_sizes, grid_thw, ...)
     rows: torch.Tensor  # offsets within the span of the image-token placeholders (the rows features fill)
+    mrope: torch.Tensor | None = None  # M-RoPE models: [3, span length] rope positions, relative to the span's start
 
 
 def is_vision_config(config: Any) -> bool:
@@ -63,6 +64,38 @@ def image_prompt_text(processor: Any) -> str:
     return token
 
 
+_BIDIRECTIONAL_IMAGES = frozenset({"gemma3", "paligemma"})
+# Processors whose video half needs torchvision (transformers 5.24), and their image token: built images-only.
+_IMAGES_ONLY = {"Qwen2VLProcessor": "<|image_pad|>", "Qwen2_5_VLProcessor": "<|image_pad|>",
+                "Qwen3VLProcessor": "<|image_pad|>"}
+
+
+def _images_only_processor(path: Path, err: ImportError) -> Any:
+    """The checkpoint's processor without its video processor (which needs torchvision; PyPI's torchvision
+    does not load beside the CPU torch cllm pins): the image processor, tokenizer and chat template, with
+    the image token the processor class would set. Images work; videos are not served anyway."""
+    import json
+
+    import transformers
+    from transformers import AutoImageProcessor, AutoTokenizer
+
+    config = path / "processor_config.json"
+    name = json.loads(config.read_text()).get("processor_class") if config.is_file() else None
+    if name not in _IMAGES_ONLY:
+        raise ValueError(f"the processor of {str(path)!r} needs a library cllm does not install ({err})") from None
+    cls = getattr(transformers, name)
+    processor = cls.__new__(cls)
+    processor.image_processor = AutoImageProcessor.from_pretrained(path)
+    processor.tokenizer = tokenizer = AutoTokenizer.from_pretrained(path)
+    processor.video_processor = None
+    template = path / "chat_template.jinja"
+    processor.chat_template = template.read_text() if template.is_file() else getattr(tokenizer, "chat_template", None)
+    processor.image_token = getattr(tokenizer, "image_token", None) or _IMAGES_ONLY[name]
+    processor.image_token_id = tokenizer.convert_tokens_to_ids(processor.image_token)
+    processor.video_token, processor.video_token_id = "<|video_pad|>", tokenizer.convert_tokens_to_ids("<|video_pad|>")
+    return processor
+
+
 class TorchVision:
     """A VLM's image side: ``expand`` (processor) and ``features`` (vision tower + projector)."""
 
@@ -78,6 +111,11 @@ class TorchVision:
             raise ValueError("the model's config names no image_token_id")
         self.image_token_id = int(token_id)
         self.image_text = image_prompt_text(processor)
+        # Qwen2/2.5/3-VL: an image's tokens take 3-D rope positions (time, row, column) and advance the text's
+        # position by less than their number (ImageSpan.n_pos); the model's own get_rope_index says how.
+        self.uses_mrope = callable(getattr(getattr(hf_model, "model", None), "get_rope_index", None))
+        # Gemma 3: an image's tokens attend to each other both ways (transformers' token_type_ids mask)
+        self.bidirectional = config.model_type in _BIDIRECTIONAL_IMAGES
 
     @classmethod
     def load(cls, hf_model: Any, path: Path, *, device: torch.device, dtype: torch.dtype) -> TorchVision:
@@ -85,6 +123,8 @@ class TorchVision:
 
         try:
             processor = AutoProcessor.from_pretrained(path)
+        except ImportError as err:  # a video processor that needs torchvision, which cllm does not install
+            processor = _images_only_processor(path, err)
         except (OSError, ValueError, KeyError, TypeError) as err:
             raise ValueError(f"the vision model at {str(path)!r} has no usable processor (AutoProcessor: {err}); "
                              "save the processor with the checkpoint") from None
@@ -102,11 +142,22 @@ class TorchVision:
             first = next(i for i, t in enumerate(image_ids) if t == self.image_token_id)
             last = max(i for i, t in enumerate(image_ids) if t == self.image_token_id)
             out += image_ids[:first]
-            spans.append(ImageSpan(len(out), last + 1 - first, image, payload=ImageInputs(
-                inputs, torch.tensor([i - first for i in range(first, last + 1) if image_ids[i] == self.image_token_id]))))
+            rows = torch.tensor([i - first for i in range(first, last + 1) if image_ids[i] == self.image_token_id])
+            mrope = self._mrope(image_ids, inputs, first, last) if self.uses_mrope else None
+            n_pos = int(mrope.max()) + 1 if mrope is not None else 0
+            spans.append(ImageSpan(len(out), last + 1 - first, image, n_pos, payload=ImageInputs(inputs, rows, mrope)))
             out += image_ids[first:]
         out += ids[done:]
         return out, tuple(spans)
+
+    def _mrope(self, image_ids: list[int], inputs: dict[str, torch.Tensor], first: int, last: int) -> torch.Tensor:
+        """The image tokens' rope positions ``[3, last + 1 - first]`` relative to the first one's text position
+        (in the image's own prompt text the positions before it are 0..first-1, so that is ``first``)."""
+        ids = torch.tensor([image_ids])
+        types = (ids == self.image_token_id).to(torch.int32)
+        grid = inputs.get("image_grid_thw")
+        positions, _ = self.hf.model.get_rope_index(ids, mm_token_type_ids=types, image_grid_thw=grid)
+        return positions[:, 0, first:last + 1] - first
 
     def _prepare(self, image: ImageData) -> tuple[list[int], dict[str, torch.Tensor]]:
         try:
@@ -120,6 +171,12 @@ class TorchVision:
         tensors = {k: v for k, v in batch.items() if k not in ("input_ids", "attention_mask", "token_type_ids")
                    and isinstance(v, torch.Tensor)}
         return ids, tensors
+
+    @staticmethod
+    def image_range(span: ImageSpan) -> tuple[int, int]:
+        """Positions [start, end) of the span's image tokens (its placeholders, markers between them included)."""
+        rows = span.payload.rows
+        return span.start + int(rows[0]), span.start + int(rows[-1]) + 1
 
     @torch.inference_mode()
     def features(self, span: ImageSpan) -> tuple[torch.Tensor, torch.Tensor]:

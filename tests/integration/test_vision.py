@@ -1,0 +1,169 @@
+"""Images through the engine, on both backends, with the tiny VLM zoo (cllm/tiny_vlms.py): seeded random
+LLaVA (CLIP tower), Qwen2-VL (M-RoPE) and Gemma 3 (SigLIP) checkpoints built by transformers, and their
+llama.cpp conversions (tests/assets/models/, made from these very builds).
+
+What is asserted, and why these tolerances:
+- torch, float32: the teacher-forced logprobs of a greedy reply to a prompt holding an image equal
+  transformers' own forward of the same ids and pixels within 1e-4 (measured ~1e-6: the same kernels, the
+  decoder's attention over the paged pool instead of SDPA over a dense tensor).
+- llama.cpp, f32 weights and KV cache: within 1e-2 of transformers (measured ~4e-3 after the image for
+  Gemma 3, and ~2-3e-3 on text alone: ggml's fused/reordered reductions, its tanh GELU; libmtmd decodes the
+  image's embeddings non-causally, as Gemma 3 is trained). The issue asked 1e-3; the text-only part of the
+  same GGUF is already 2-3e-3 off, so 1e-3 is not reachable through llama.cpp's kernels — see the closing note.
+- Batching: a request's greedy tokens are the same alone and beside another request with another image; its
+  logprobs within 1e-4 (torch) — float rounding of a batched matmul may differ, the tokens may not.
+- Prefix cache: the same image again reuses the cached KV through the image (cached_tokens past its span);
+  another image with the same text reuses only the text before it (keys are the pixels' hash).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from cllm import LLM  # noqa: E402
+from cllm import tiny_vlms as tv  # noqa: E402
+from cllm.multimodal import ImageData  # noqa: E402
+from cllm.sampling.params import SamplingParams  # noqa: E402
+
+ASSETS = Path(__file__).resolve().parent.parent / "assets" / "models"
+GREEDY = SamplingParams(max_tokens=8, temperature=0, logprobs=1)
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("vlms")
+    return {f: tv.build_tiny_vlm(f, root / f) for f in tv.VLM_FAMILIES}
+
+
+def image(family: str, seed: int = 0) -> ImageData:
+    return ImageData.from_pil(tv.sample_image(family, seed=seed))
+
+
+def chat(img: ImageData, text: str = "What is in the picture?") -> list[dict]:
+    return [{"role": "user", "content": [{"type": "text", "text": "Look: "}, {"type": "image", "image": img},
+                                         {"type": "text", "text": text}]}]
+
+
+def hf_logprobs(family: str, model_dir: Path, out, img: ImageData) -> list[float]:
+    """transformers' teacher-forced logprobs of ``out``'s tokens, given its prompt ids and the image."""
+    model = tv.model_class(family).from_pretrained(model_dir).eval()
+    processor = tv.load_processor(model_dir)
+    token = model.config.image_token_id if getattr(model.config, "image_token_id", None) is not None \
+        else model.config.image_token_index
+    ids = torch.tensor([out.prompt_token_ids + out.outputs[0].token_ids])
+    inputs = processor.image_processor(images=[img.to_pil()], return_tensors="pt")
+    extra = {k: v for k, v in inputs.items() if k in ("pixel_values", "image_grid_thw", "image_sizes")}
+    if family == "qwen2_vl":
+        extra["mm_token_type_ids"] = (ids == token).to(torch.int32)
+    if family == "gemma3":
+        extra["token_type_ids"] = (ids == token).long()
+    with torch.no_grad():
+        logits = model(input_ids=ids, **extra).logits[0].float().log_softmax(-1)
+    n = len(out.prompt_token_ids)
+    return [logits[n - 1 + i, t].item() for i, t in enumerate(out.outputs[0].token_ids)]
+
+
+def ours(out) -> list[float]:
+    return [lp.logprob for lp in out.outputs[0].logprobs]
+
+
+# ---------------------------------------------------------------------------------------------- torch
+
+
+@pytest.fixture(scope="module")
+def torch_llms(built):
+    llms = {f: LLM(model=str(built[f]), backend="torch", dtype="float32", n_ctx=2048, n_seq_max=4)
+            for f in tv.VLM_FAMILIES}
+    yield llms
+    for llm in llms.values():
+        llm.close()
+
+
+@pytest.mark.parametrize("family", tv.VLM_FAMILIES)
+def test_torch_matches_transformers(family, built, torch_llms):
+    img = image(family)
+    out = torch_llms[family].chat(chat(img), GREEDY)[0]
+    assert out.error is None and len(out.outputs[0].token_ids) == 8
+    placeholder = torch_llms[family].engine.backend._vision.image_token_id
+    assert out.prompt_token_ids.count(placeholder) == tv.IMAGE_TOKENS[family]
+    ref = hf_logprobs(family, built[family], out, img)
+    assert max(abs(a - b) for a, b in zip(ref, ours(out))) < 1e-4
+
+
+@pytest.mark.parametrize("family", ["llava", "qwen2_vl"])
+def test_torch_batched_images_equal_alone(family, torch_llms):
+    llm = torch_llms[family]
+    a, b = chat(image(family, 1)), chat(image(family, 2), "Describe it.")
+    alone = [llm.chat(m, GREEDY, )[0] for m in (a, b)]
+    together = llm.chat([a, b], GREEDY)
+    for x, y in zip(alone, together):
+        assert x.outputs[0].token_ids == y.outputs[0].token_ids
+        assert max(abs(p - q) for p, q in zip(ours(x), ours(y))) < 1e-4
+    assert alone[0].outputs[0].token_ids != alone[1].outputs[0].token_ids or ours(alone[0]) != ours(alone[1])
+
+
+@pytest.mark.parametrize("family", ["llava", "qwen2_vl"])
+def test_torch_prefix_cache_keys_on_the_image(family, torch_llms):
+    llm = torch_llms[family]
+    text = "A long question about this picture, long enough to fill a few blocks of the cache. " * 2
+    first = llm.chat(chat(image(family, 3), text), GREEDY)[0]
+    again = llm.chat(chat(image(family, 3), text), GREEDY)[0]
+    other = llm.chat(chat(image(family, 4), text), GREEDY)[0]
+    span_end = first.prompt_token_ids.index(llm.engine.backend._vision.image_token_id) + tv.IMAGE_TOKENS[family]
+    assert again.usage.cached_tokens > span_end  # through the image
+    assert again.outputs[0].token_ids == first.outputs[0].token_ids
+    assert max(abs(p - q) for p, q in zip(ours(first), ours(again))) < 1e-4
+    assert other.usage.cached_tokens < span_end - tv.IMAGE_TOKENS[family] + 1  # not through another image
+
+
+# ------------------------------------------------------------------------------------------ llama.cpp
+
+
+@pytest.fixture(scope="module")
+def gemma3_gguf():
+    llm = LLM(model=str(ASSETS / "tiny-gemma3-f32.gguf"), backend="llama_cpp", n_ctx=4096, n_seq_max=4,
+              type_k="f32", type_v="f32", speculative="off")
+    yield llm
+    llm.close()
+
+
+def test_llama_cpp_finds_the_projector_beside_the_model(gemma3_gguf):
+    assert gemma3_gguf.engine.supports_images
+    assert gemma3_gguf.engine.backend._vision.path.name == "mmproj-tiny-gemma3-f32.gguf"
+
+
+def test_llama_cpp_matches_transformers(built, gemma3_gguf):
+    img = image("gemma3")
+    out = gemma3_gguf.chat(chat(img), GREEDY)[0]
+    assert out.error is None and len(out.outputs[0].token_ids) == 8
+    ids = tv.token_ids("gemma3")
+    start = out.prompt_token_ids.index(ids["<start_of_image>"])
+    # libmtmd's layout: <start_of_image>, 16 placeholders, <end_of_image>
+    assert out.prompt_token_ids[start + 1 + tv.IMAGE_TOKENS["gemma3"]] == ids["<end_of_image>"]
+    ref = hf_logprobs("gemma3", built["gemma3"], out, img)
+    assert max(abs(a - b) for a, b in zip(ref, ours(out))) < 1e-2
+
+
+def test_llama_cpp_batched_images_and_prefix_cache(gemma3_gguf):
+    a, b = chat(image("gemma3", 1)), chat(image("gemma3", 2), "Describe it.")
+    alone = [gemma3_gguf.chat(m, GREEDY)[0] for m in (a, b)]
+    together = gemma3_gguf.chat([a, b], GREEDY)
+    for x, y in zip(alone, together):
+        assert x.outputs[0].token_ids == y.outputs[0].token_ids
+    again = gemma3_gguf.chat(a, GREEDY)[0]
+    assert again.outputs[0].token_ids == alone[0].outputs[0].token_ids
+    image_end = again.prompt_token_ids.index(tv.token_ids("gemma3")["<end_of_image>"])
+    assert again.usage.cached_tokens > image_end
+
+
+def test_text_model_refuses_images_with_a_clear_error():
+    llm = LLM(model=str(ASSETS / "tiny-gemma3-text-q8_0.gguf"), backend="llama_cpp", n_ctx=512, n_seq_max=1)
+    try:
+        with pytest.raises(ValueError, match="does not accept images"):
+            llm.chat(chat(image("gemma3")), GREEDY)
+    finally:
+        llm.close()
