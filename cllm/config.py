@@ -203,6 +203,7 @@ class ImageConfig(_Section):
     allow_image_urls: bool = Field(False, description="fetch http(s) image URLs in requests; false = only inline images (data: URLs, base64 sources), a URL is a 400 saying how to enable this")
     allow_private_image_urls: bool = Field(False, description="with allow_image_urls, also fetch from private, loopback, link-local and reserved addresses (every address the host resolves to is checked, redirects are re-checked); false keeps the server from being used to reach its own network")
     image_url_timeout_s: float = Field(10.0, gt=0, le=600, description="budget of one image URL fetch (resolving, connecting, redirects and the body together); past it the request gets a 400")
+    image_memory_mib: int = Field(1024, ge=1, le=1 << 20, description="decoded images (RGB, 3 bytes a pixel) that the server's requests in flight may hold together; a request whose images would pass it gets 429 with Retry-After, so that a flood of large images is turned away rather than taking the host's memory")
 
 
 class SpeculativeConfig(_Section):

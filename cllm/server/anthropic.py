@@ -205,7 +205,7 @@ async def count_tokens(body: CountTokensRequest, request: Request) -> JSONRespon
     model = await state.model_for(request, body.model, keep_alive=body.keep_alive)
     chat = _chat_request(body)
     plan = plan_request(chat, model.engine, state.config.structured)
-    contents = await message_contents(chat.messages, state.config.images, model.engine, model.name)
+    contents = await message_contents(chat.messages, state.config.images, model.engine, model.name, request)
     prompt = await run_in_threadpool(render_chat, model.engine, chat.messages, True, plan, False, contents)
     try:
         count = len(await run_in_threadpool(model.engine.expanded_ids, prompt))

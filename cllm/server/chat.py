@@ -148,7 +148,7 @@ async def _prepare_chat(body: ChatCompletionRequest, request: Request, id_prefix
     # not stall every other stream (issue 9 defect 17).
     # continue_final_message alone means no new turn; both given true is a 400 (render_chat)
     generation_prompt = body.add_generation_prompt if body.continue_final_message else body.add_generation_prompt is not False
-    contents = await message_contents(body.messages, state.config.images, model.engine, model.name)
+    contents = await message_contents(body.messages, state.config.images, model.engine, model.name, request)
     prompt = await run_in_threadpool(render_chat, model.engine, body.messages, bool(generation_prompt), plan,
                                      bool(body.continue_final_message), contents)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens

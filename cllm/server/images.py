@@ -4,7 +4,10 @@ parsed and counted first, so a bad part or too many images costs no fetch."""
 from __future__ import annotations
 
 import asyncio
+import threading
 from typing import Any
+
+from starlette.requests import Request
 
 from cllm.config import ImageConfig
 from cllm.multimodal.content import (
@@ -91,12 +94,67 @@ def part(where: str, kind: str, **fields: Any) -> ContentPart:
 
 
 async def message_contents(messages: list[ChatMessage], settings: ImageConfig, engine: Any,
-                           model: str) -> list[str | list[dict[str, Any]]] | None:
+                           model: str, request: Request | None = None) -> list[str | list[dict[str, Any]]] | None:
     """``resolve_images``, then the model's say (``check_model_accepts``): what every chat-shaped route
-    gives render_chat as ``contents``."""
+    gives render_chat as ``contents``. With ``request``, the decoded images are held against the server's
+    ImageMemory until the request ends (429 when they do not fit)."""
     contents = await resolve_images(messages, settings)
     check_model_accepts(engine, model, contents)
+    if contents is not None and request is not None:
+        size = sum(len(p["image"].rgb) for c in contents if isinstance(c, list) for p in c if p["type"] == "image")
+        hold_image_memory(request, size)
     return contents
+
+
+class ImageMemory:
+    """The decoded image bytes that requests in flight hold, bounded by ``images.image_memory_mib``: a
+    request's images are taken when decoded and given back when its response ends (ModelLeaseMiddleware
+    releases what is left in the request's scope), so that a flood of large images gets 429s instead of
+    the host's memory."""
+
+    def __init__(self, limit_bytes: int) -> None:
+        self.limit = limit_bytes
+        self.used = 0
+        self._lock = threading.Lock()
+
+    def take(self, size: int) -> _MemoryHold | None:
+        with self._lock:
+            if self.used + size > self.limit:
+                return None
+            self.used += size
+        return _MemoryHold(self, size)
+
+    def give_back(self, size: int) -> None:
+        with self._lock:
+            self.used -= size
+
+
+class _MemoryHold:
+    __slots__ = ("memory", "size")
+
+    def __init__(self, memory: ImageMemory, size: int) -> None:
+        self.memory, self.size = memory, size
+
+    def release(self) -> None:
+        size, self.size = self.size, 0
+        if size:
+            self.memory.give_back(size)
+
+
+def hold_image_memory(request: Request, size: int) -> None:
+    """Hold ``size`` decoded bytes for this request until it ends; APIError 429 when they do not fit now."""
+    from cllm.server.state import LEASES_KEY, get_state
+
+    if size <= 0:
+        return
+    memory: ImageMemory = get_state(request).image_memory
+    hold = memory.take(size)
+    if hold is None:
+        raise APIError(429, f"the server holds {memory.used >> 20} MiB of decoded images for requests in flight and "
+                            f"this request's {size >> 20} MiB would pass images.image_memory_mib "
+                            f"({memory.limit >> 20} MiB): retry shortly", code="images_busy",
+                       headers={"Retry-After": "1"})
+    request.scope.setdefault("state", {}).setdefault(LEASES_KEY, []).append(hold)
 
 
 def chat_content(content: Any) -> Any:

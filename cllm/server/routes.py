@@ -196,7 +196,7 @@ async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
     if error is not None:
         raise bad_request(error[1], param=error[0])
     if body.messages is not None:
-        contents = await message_contents(body.messages, state.config.images, model.engine, model.name)
+        contents = await message_contents(body.messages, state.config.images, model.engine, model.name, request)
         prompt = await run_in_threadpool(render_chat, model.engine, body.messages, body.add_generation_prompt is not False,
                                          None, False, contents)
         try:

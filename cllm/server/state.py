@@ -15,6 +15,7 @@ from cllm.config import CllmConfig, parse_keep_alive
 from cllm.router import ModelNotFound, ModelSpec, ModelUnavailable, Router
 from cllm.server.client_quota import AdmissionPolicy, ClientQuota
 from cllm.server.errors import APIError
+from cllm.server.images import ImageMemory
 from cllm.server.metrics import ServerMetrics
 from cllm.server.sampling import RequestLimits
 
@@ -59,6 +60,7 @@ class ServerState:
     shutdown_task: asyncio.Task[None] | None = None  # engine drain, once begun
     on_fatal: Callable[[str], None] | None = None  # asks the process to exit (set by run_server)
     quota: ClientQuota = field(init=False)  # per-request and per-client sequence caps
+    image_memory: ImageMemory = field(init=False)  # decoded images held by requests in flight (images.image_memory_mib)
 
     def __post_init__(self) -> None:
         self.metrics = ServerMetrics(self.engine_stats)
@@ -69,6 +71,7 @@ class ServerState:
             allow_client_priority=server.allow_client_priority,
             max_compiles_per_client=server.max_compiles_per_client,
         ))
+        self.image_memory = ImageMemory(self.config.images.image_memory_mib << 20)
 
     @property
     def loaded(self) -> LoadedModel | None:

@@ -108,3 +108,28 @@ def test_too_many_images_is_a_400(server: ServerProcess):
     with pytest.raises(openai.BadRequestError) as caught:
         client.chat.completions.create(model=MODEL, max_tokens=2, messages=[{"role": "user", "content": parts}])
     assert "max_images_per_request" in str(caught.value)
+
+
+def test_a_flood_of_images_past_the_memory_budget_gets_429_then_passes():
+    srv = start_server("--model", str(ASSETS / f"{MODEL}.gguf"), "--n-seq-max", "2", "--n-ctx", "1024",
+                       "--speculative", "off", "--set", "image_memory_mib=1", "--set", "max_body_bytes=4000000")
+    try:
+        buffer = io.BytesIO()
+        tv.sample_image("gemma3").resize((640, 640)).save(buffer, format="PNG")  # 1.2 MB decoded
+        big = base64.b64encode(buffer.getvalue()).decode()
+        with srv.http() as http:
+            reply = http.post("/v1/chat/completions", json={"model": MODEL, "max_tokens": 2, "messages": [
+                {"role": "user", "content": [{"type": "text", "text": "hi"},
+                                             {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{big}"}}]}]})
+            assert reply.status_code == 429 and reply.headers["retry-after"] == "1"
+            assert reply.json()["error"]["code"] == "images_busy"
+            buffer = io.BytesIO()
+            tv.sample_image("gemma3").resize((448, 448)).save(buffer, format="PNG")  # 602 kB decoded
+            half = [{"type": "text", "text": "hi"}, {"type": "image_url", "image_url": {
+                "url": f"data:image/png;base64,{base64.b64encode(buffer.getvalue()).decode()}"}}]
+            for _ in range(3):  # each fits alone, two would not: every request gave its images back
+                ok = http.post("/v1/chat/completions", json={"model": MODEL, "max_tokens": 2,
+                                                             "messages": [{"role": "user", "content": half}]})
+                assert ok.status_code == 200
+    finally:
+        finish_server(srv)

@@ -96,6 +96,9 @@ class LlamaCppBackend(Backend):
         self.model_path = path
         self.weights_path = prepare_weights(path, lc.weights, gpu_layers=self.n_gpu_layers, n_threads=self._n_threads)
         self._model = LlamaModelHandle(path=self.weights_path, n_gpu_layers=self.n_gpu_layers)
+        # The projector loads before the KV cache is sized, so that its weights count against the memory
+        self._vision = self._load_vision(lc.mmproj)
+        self.supports_images = self._vision is not None
         memory = available_memory()
         # model.deterministic: flash attention's row-by-row kernel, a bf16 cache for f16/f32 (determinism.py)
         det = m.deterministic
@@ -150,8 +153,6 @@ class LlamaCppBackend(Backend):
             kv_tokens=self._ctx.n_ctx,
         )
         self._embedding_config = config.embeddings
-        self._vision = self._load_vision(lc.mmproj)
-        self.supports_images = self._vision is not None
         self._embedder: LlamaEmbedder | None = None  # its own context, made on first embed()
         self._queried_tokens = 0
         self._hit_tokens = 0
