@@ -267,6 +267,7 @@ class Backend(ABC):
     drafts_run_apart: bool = False
     # Images in prompts (a projector / vision tower loaded): expand_images, and admit(images=...)
     supports_images: bool = False
+    vision_text: str | None = None  # what encodes images, for the ready block and /v1/engine
 
     def expand_images(self, prompt: MultimodalPrompt) -> tuple[list[int], tuple[ImageSpan, ...]]:
         """A prompt's ids with each image replaced by the ids that stand for it (the model's image

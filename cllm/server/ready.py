@@ -77,6 +77,9 @@ def ready_lines(config: CllmConfig, engine: Any, model: str, max_model_len: int)
     determinism = determinism_of(engine)
     if determinism is not None and determinism.on:
         lines.append(f"  determinism: {determinism.text()}")
+    vision = getattr(backend, "vision_text", None)
+    if vision or getattr(engine, "supports_images", False):
+        lines.append(f"  images    : {vision or 'accepted'} (at most {config.images.max_images_per_request} a request)")
     if slots is not None:
         lines.append(f"  slots     : {slots} sequences at once, {max_model_len} tokens of context each")
     else:

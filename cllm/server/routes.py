@@ -141,6 +141,8 @@ def _engine_report(engine: Any, name: str) -> dict[str, Any]:
     return {"model": name, "status": "loaded", "weights": weights and str(weights),
             "flash_attn": getattr(backend, "flash_attn", None), "flash_attn_verdict": verdict and _as_dict(verdict),
             "determinism": _determinism(determinism_of(engine)), "engine_core": _core_state(engine),
+            "images": {"accepted": bool(getattr(engine, "supports_images", False)),
+                       "encoder": getattr(backend, "vision_text", None)},
             "stats": stats_dict, "running": running}
 
 

@@ -133,3 +133,10 @@ def test_a_flood_of_images_past_the_memory_budget_gets_429_then_passes():
                 assert ok.status_code == 200
     finally:
         finish_server(srv)
+
+
+def test_engine_report_and_ready_block_say_images(server: ServerProcess):
+    with server.http() as http:
+        report = http.get("/v1/engine").json()
+    assert report["images"] == {"accepted": True, "encoder": "libmtmd, projector mmproj-tiny-gemma3-f32.gguf"}
+    assert "images    : libmtmd, projector mmproj-tiny-gemma3-f32.gguf (at most 8 a request)" in server.log_text()

@@ -166,6 +166,7 @@ class LlamaCppBackend(Backend):
             return None
         vision = MtmdContext(path=mmproj, model=self._model, n_threads=self._n_threads, use_gpu=self.on_gpu)
         log.info("images: projector %s (M-RoPE: %s)", mmproj, vision.uses_mrope)
+        self.vision_text = f"libmtmd, projector {mmproj.name}" + (", M-RoPE positions" if vision.uses_mrope else "")
         return vision
 
     def expand_images(self, prompt: MultimodalPrompt) -> tuple[list[int], tuple[ImageSpan, ...]]:

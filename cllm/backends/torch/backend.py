@@ -111,6 +111,9 @@ class TorchBackend(Backend):
         self._vision = TorchVision.load(self.model.hf, loaded.tokenizer_dir, device=self.device, dtype=self.dtype) \
             if loaded.vision else None
         self.supports_images = self._vision is not None
+        if self._vision is not None:
+            self.vision_text = f"transformers {self.model.hf.config.model_type} vision tower and projector" + (
+                ", M-RoPE positions" if self._vision.uses_mrope else "")
         self._images: dict[str, tuple[ImageSpan, ...]] = {}  # sequences with images -> their spans
         del loaded
         block_size = config.torch.block_size
