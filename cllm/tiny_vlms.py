@@ -214,6 +214,13 @@ def build_vlm(family: str, *, seed: int = 0):
     if family == "llava":
         # The legacy llava mmproj converter stores these in f16 (see the module docstring).
         _round_f16(model, ("multi_modal_projector.", "patch_embedding."))
+    if family == "qwen2_vl":
+        # The pad id's embedding row (id 2, <|im_end|>, which every ChatML turn ends with) is initialised to
+        # zeros; llama.cpp's Qwen2-VL graph turns a zero input row into NaN logits for everything after it
+        # (text prompts alone, no image needed). Real checkpoints have no zero row: give it random values.
+        with torch.no_grad():
+            model.get_input_embeddings().weight[config.text_config.pad_token_id].copy_(
+                torch.randn(config.text_config.hidden_size, generator=g) * INIT_RANGE)
     return model.eval()
 
 

@@ -7,6 +7,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from cllm.multimodal.prompt import MultimodalPrompt
 from cllm.backends.base import Backend
 from cllm.config import CllmConfig, load_config
 from cllm.engine.chat_request import attach_tool_calls, prepare_chat
@@ -142,7 +143,7 @@ class LLM:
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
-    if isinstance(prompts, str):
+    if isinstance(prompts, (str, MultimodalPrompt)):
         return [prompts]
     if isinstance(prompts, Sequence) and prompts and all(isinstance(t, int) for t in prompts):
         return [list(prompts)]
