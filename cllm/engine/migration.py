@@ -41,6 +41,9 @@ def export_request(engine: LLMEngine, request_id: str) -> tuple[RequestSnapshot,
     if len(group.children) != 1:
         raise ValueError(f"request {request_id!r} has n={len(group.children)} choices; a hand-off moves n=1 requests")
     req = group.children[0]
+    if req.mm_spans:
+        # A snapshot carries ids, not images: the receiver could not recompute an image's span.
+        raise ValueError(f"request {request_id!r} holds images; requests with images are not handed off")
     segments = engine.scheduler.detach(req)
     now = time.monotonic()
     snap = RequestSnapshot(

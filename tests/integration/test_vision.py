@@ -120,6 +120,31 @@ def test_torch_prefix_cache_keys_on_the_image(family, torch_llms):
     assert other.usage.cached_tokens < span_end - tv.IMAGE_TOKENS[family] + 1  # not through another image
 
 
+def test_torch_two_images_in_one_message_and_a_second_turn(built, torch_llms):
+    llm, family = torch_llms["llava"], "llava"
+    one, two = image(family, 5), image(family, 6)
+    convo = [{"role": "user", "content": [{"type": "image", "image": one}, {"type": "text", "text": "and"},
+                                           {"type": "image", "image": two}]},
+             {"role": "assistant", "content": "Two pictures."},
+             {"role": "user", "content": [{"type": "text", "text": "Again:"}, {"type": "image", "image": one}]}]
+    out = llm.chat(convo, GREEDY)[0]
+    placeholder = llm.engine.backend._vision.image_token_id
+    assert out.prompt_token_ids.count(placeholder) == 3 * tv.IMAGE_TOKENS[family]
+    ref = hf_logprobs_many(family, built[family], out, [one, two, one])
+    assert max(abs(a - b) for a, b in zip(ref, ours(out))) < 1e-4
+
+
+def hf_logprobs_many(family: str, model_dir: Path, out, images: list[ImageData]) -> list[float]:
+    model = tv.model_class(family).from_pretrained(model_dir).eval()
+    processor = tv.load_processor(model_dir)
+    ids = torch.tensor([out.prompt_token_ids + out.outputs[0].token_ids])
+    pixels = processor.image_processor(images=[i.to_pil() for i in images], return_tensors="pt")["pixel_values"]
+    with torch.no_grad():
+        logits = model(input_ids=ids, pixel_values=pixels).logits[0].float().log_softmax(-1)
+    n = len(out.prompt_token_ids)
+    return [logits[n - 1 + i, t].item() for i, t in enumerate(out.outputs[0].token_ids)]
+
+
 # ------------------------------------------------------------------------------------------ llama.cpp
 
 

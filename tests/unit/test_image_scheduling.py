@@ -111,3 +111,14 @@ def test_too_many_images_and_an_image_at_the_end_are_refused():
         engine.add_request(many, GREEDY)
     with pytest.raises(ValueError, match="must not end with an image"):
         engine.add_request(MultimodalPrompt([1, 2], ((2, image(2)),)), GREEDY)
+
+
+def test_a_request_with_images_is_not_handed_off():
+    from cllm.engine import migration
+
+    engine, _ = make()
+    rid = engine.add_request(MultimodalPrompt([1, 2, 3], ((1, image(4)),)), GREEDY)
+    engine.step()
+    with pytest.raises(ValueError, match="holds images"):
+        migration.export_request(engine, rid)
+    assert run_all(engine)[rid].outputs[0].finish_reason == "length"  # it runs on where it is
