@@ -1,9 +1,11 @@
 """A prompt with images in it, as the chat template leaves it: text ids, and where each image goes."""
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from cllm.multimodal.image import ImageData
+from cllm.multimodal.span import ImageSpan
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,3 +43,21 @@ def ids_without_images(prompt: list[int] | MultimodalPrompt) -> list[int]:
         raise ValueError("the ids of a prompt with images are known only where its engine runs (its images are "
                          "expanded there): use engine_process: off for /tokenize and token counts with images")
     return list(prompt)
+
+
+def splice_images(prompt: MultimodalPrompt,
+                  expand_one: Callable[[ImageData, int], tuple[Sequence[int], ImageSpan]]) -> tuple[list[int], tuple[ImageSpan, ...]]:
+    """A prompt's ids with each image's ids put in its place: ``expand_one(image, offset)`` gives the image's
+    ids (markers and placeholders) and its span, placed as if those ids started at ``offset``
+    (``Backend.expand_images`` of each backend)."""
+    out: list[int] = []
+    spans: list[ImageSpan] = []
+    done = 0
+    for at, image in prompt.images:
+        out += prompt.ids[done:at]
+        done = at
+        image_ids, span = expand_one(image, len(out))
+        out += image_ids
+        spans.append(span)
+    out += prompt.ids[done:]
+    return out, tuple(spans)

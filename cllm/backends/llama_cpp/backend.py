@@ -45,7 +45,7 @@ from cllm.backends.llama_cpp.vision import MtmdContext, find_mmproj, llama_pos
 from cllm.backends.llama_cpp.weights import prepare_weights
 from cllm.config import CllmConfig
 from cllm.model_path import resolve_model_path
-from cllm.multimodal.prompt import MultimodalPrompt
+from cllm.multimodal.prompt import MultimodalPrompt, splice_images
 from cllm.multimodal.span import ImageSpan, cache_keys
 
 log = logging.getLogger(__name__)
@@ -172,7 +172,7 @@ class LlamaCppBackend(Backend):
     def expand_images(self, prompt: MultimodalPrompt) -> tuple[list[int], tuple[ImageSpan, ...]]:
         if self._vision is None:
             return super().expand_images(prompt)
-        return self._vision.expand(prompt.ids, prompt.images)
+        return splice_images(prompt, self._vision.expand_one)
 
     # ------------------------------------------------------------------ info
     @property

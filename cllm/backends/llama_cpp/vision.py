@@ -120,21 +120,11 @@ class MtmdContext:
             M.mtmd_input_chunks_free(chunks)
             M.mtmd_bitmap_free(bitmap)
 
-    def expand(self, ids: Sequence[int], images: Sequence[tuple[int, ImageData]]) -> tuple[list[int], tuple[ImageSpan, ...]]:
-        """``Backend.expand_images`` for llama.cpp."""
-        out: list[int] = []
-        spans: list[ImageSpan] = []
-        done = 0
-        for at, image in images:
-            out += ids[done:at]
-            done = at
-            tok = self.tokenize(image)
-            out += tok.before
-            spans.append(ImageSpan(len(out), tok.chunk.n_tokens, image, tok.chunk.n_pos, payload=tok.chunk))
-            out += [self.placeholder_id] * tok.chunk.n_tokens
-            out += tok.after
-        out += ids[done:]
-        return out, tuple(spans)
+    def expand_one(self, image: ImageData, offset: int) -> tuple[list[int], ImageSpan]:
+        """One image's ids (libmtmd's markers around a placeholder per embedding) and span, for splice_images."""
+        tok = self.tokenize(image)
+        span = ImageSpan(offset + len(tok.before), tok.chunk.n_tokens, image, tok.chunk.n_pos, payload=tok.chunk)
+        return tok.before + [self.placeholder_id] * tok.chunk.n_tokens + tok.after, span
 
     def decode(self, lctx: ctypes.c_void_p, span: ImageSpan, *, pos: int, seq_id: int, n_batch: int) -> None:
         """Encode the span's image and decode its embeddings into ``seq_id`` from llama position ``pos``.

@@ -42,7 +42,7 @@ from cllm.backends.torch.transfer import to_device
 from cllm.backends.torch.vision import TorchVision
 from cllm.config import CllmConfig
 from cllm.model_path import resolve_model_path
-from cllm.multimodal.prompt import MultimodalPrompt
+from cllm.multimodal.prompt import MultimodalPrompt, splice_images
 from cllm.multimodal.span import ImageSpan, cache_keys
 from cllm.progress import phase
 
@@ -314,7 +314,7 @@ class TorchBackend(Backend):
     def expand_images(self, prompt: MultimodalPrompt) -> tuple[list[int], tuple[ImageSpan, ...]]:
         if self._vision is None:
             return super().expand_images(prompt)
-        return self._vision.expand(prompt.ids, prompt.images)
+        return splice_images(prompt, self._vision.expand_one)
 
     def admit(self, sequence_id: str, token_ids: Sequence[int], *, reuse_prefix: bool = True,
               images: Sequence[ImageSpan] = ()) -> Admission | None:

@@ -11,7 +11,6 @@ tower keeps transformers' SDPA attention; only the decoder's layers use the page
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -130,25 +129,16 @@ class TorchVision:
                              "save the processor with the checkpoint") from None
         return cls(hf_model, processor, device=device, dtype=dtype)
 
-    def expand(self, ids: Sequence[int], images: Sequence[tuple[int, ImageData]]) -> tuple[list[int], tuple[ImageSpan, ...]]:
-        """``Backend.expand_images`` for transformers' VLMs."""
-        out: list[int] = []
-        spans: list[ImageSpan] = []
-        done = 0
-        for at, image in images:
-            out += ids[done:at]
-            done = at
-            image_ids, inputs = self._prepare(image)
-            first = next(i for i, t in enumerate(image_ids) if t == self.image_token_id)
-            last = max(i for i, t in enumerate(image_ids) if t == self.image_token_id)
-            out += image_ids[:first]
-            rows = torch.tensor([i - first for i in range(first, last + 1) if image_ids[i] == self.image_token_id])
-            mrope = self._mrope(image_ids, inputs, first, last) if self.uses_mrope else None
-            n_pos = int(mrope.max()) + 1 if mrope is not None else 0
-            spans.append(ImageSpan(len(out), last + 1 - first, image, n_pos, payload=ImageInputs(inputs, rows, mrope)))
-            out += image_ids[first:]
-        out += ids[done:]
-        return out, tuple(spans)
+    def expand_one(self, image: ImageData, offset: int) -> tuple[list[int], ImageSpan]:
+        """One image's ids as the processor expands them, and its span (first to last image token), for
+        splice_images."""
+        image_ids, inputs = self._prepare(image)
+        first = next(i for i, t in enumerate(image_ids) if t == self.image_token_id)
+        last = max(i for i, t in enumerate(image_ids) if t == self.image_token_id)
+        rows = torch.tensor([i - first for i in range(first, last + 1) if image_ids[i] == self.image_token_id])
+        mrope = self._mrope(image_ids, inputs, first, last) if self.uses_mrope else None
+        n_pos = int(mrope.max()) + 1 if mrope is not None else 0
+        return image_ids, ImageSpan(offset + first, last + 1 - first, image, n_pos, payload=ImageInputs(inputs, rows, mrope))
 
     def _mrope(self, image_ids: list[int], inputs: dict[str, torch.Tensor], first: int, last: int) -> torch.Tensor:
         """The image tokens' rope positions ``[3, last + 1 - first]`` relative to the first one's text position
