@@ -199,6 +199,35 @@ def test_llama_cpp_batched_images_and_prefix_cache(family, ggufs):
     assert other.usage.cached_tokens <= image_end - tv.IMAGE_TOKENS[family]  # not through another image
 
 
+def test_llama_cpp_a_failing_image_fails_only_its_request(ggufs, monkeypatch):
+    llm = ggufs["gemma3"]
+    good, bad = chat(image("gemma3", 11)), chat(image("gemma3", 12), "Describe it.")
+    # the reference from an engine of its own: in the shared one, nothing has seen either image (no cache hit),
+    # so the good image is decoded in the failing step and has to be undone there
+    fresh = LLM(model=str(ASSETS / "tiny-gemma3-f32.gguf"), backend="llama_cpp", n_ctx=4096, n_seq_max=4,
+                type_k="f32", type_v="f32", speculative="off")
+    try:
+        alone = fresh.chat(good, GREEDY)[0]
+    finally:
+        fresh.close()
+    vision = llm.engine.backend._vision
+    real = vision.decode
+    bad_hash = image("gemma3", 12).hash
+
+    def decode(lctx, span, **kw):
+        if span.image.hash == bad_hash:
+            raise RuntimeError("injected encoder failure")
+        return real(lctx, span, **kw)
+
+    monkeypatch.setattr(vision, "decode", decode)
+    outs = llm.chat([bad, good], GREEDY)
+    assert outs[0].outputs[0].finish_reason == "error" and "image" in outs[0].error
+    assert outs[1].error is None and outs[1].outputs[0].token_ids == alone.outputs[0].token_ids
+    monkeypatch.setattr(vision, "decode", real)
+    again = llm.chat(bad, GREEDY)[0]  # the engine and the slots are fine afterwards
+    assert again.error is None and len(again.outputs[0].token_ids) == 8
+
+
 def test_text_model_refuses_images_with_a_clear_error():
     llm = LLM(model=str(ASSETS / "tiny-gemma3-text-q8_0.gguf"), backend="llama_cpp", n_ctx=512, n_seq_max=1)
     try:

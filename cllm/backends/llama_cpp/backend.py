@@ -366,8 +366,9 @@ class LlamaCppBackend(Backend):
         n = len(flat_ids)
         if not (n == len(positions) == len(sequence_ids)) or n == 0:
             raise ValueError(f"forward_batch needs equal, non-empty arrays (got {n}, {len(positions)}, {len(sequence_ids)})")
+        images: list[tuple[Slot, ImageSpan]] = []  # decoded this step: undone if the step fails
         if self._vision is not None:
-            flat_ids, positions, sequence_ids = self._decode_images(flat_ids, positions, sequence_ids)
+            flat_ids, positions, sequence_ids, images = self._decode_images(flat_ids, positions, sequence_ids)
             n = len(flat_ids)
             if n == 0:  # the step was images only: nothing samples
                 return np.empty((0, self._model.n_vocab), dtype=np.float32)
@@ -397,9 +398,11 @@ class LlamaCppBackend(Backend):
                          flagged)
         rc = self._governed_decode(n, max(positions))
         if rc == DECODE_NO_KV_SLOT:
+            self._undo_images(images)
             raise KVCacheFullError("llama_decode found no KV slot for the batch", list(slots))
         if rc != DECODE_OK:
             self._roll_back(slots)
+            self._undo_images(images)
             raise BackendError(f"llama_decode failed with code {rc}", list(slots))
         for tok, sid in zip(flat_ids, sequence_ids):  # the caller's order: each sequence's tokens in order
             slots[sid].tokens.append(int(tok))
@@ -408,16 +411,18 @@ class LlamaCppBackend(Backend):
         row_of = {r: i for i, r in enumerate(flagged)}
         return self._ctx.output_logits(len(flagged))[[row_of[r] for r in rows]]
 
-    def _decode_images(self, flat_ids: Sequence[int], positions: Sequence[int],
-                       sequence_ids: Sequence[str]) -> tuple[list[int], list[int], list[str]]:
+    def _decode_images(self, flat_ids: Sequence[int], positions: Sequence[int], sequence_ids: Sequence[str]
+                       ) -> tuple[list[int], list[int], list[str], list[tuple[Slot, ImageSpan]]]:
         """Encode and decode every image this step reaches (a sequence's chunk starts at its span:
         Request.fit_chunk), each in llama_decode calls of its own ahead of the token batch; the batch's
-        other tokens, to decode as usual. BackendError names the sequences whose image failed."""
+        other tokens, to decode as usual, and the images decoded. BackendError names the sequences whose image
+        failed (the step's other images are undone: the engine runs them again, one sequence at a time)."""
         first: dict[str, int] = {}
         for i, sid in enumerate(sequence_ids):
             first.setdefault(sid, i)
         image_rows: set[int] = set()
         failed: list[str] = []
+        decoded: list[tuple[Slot, ImageSpan]] = []
         for sid, i in first.items():
             slot = self._owned(sid)
             span = next((s for s in slot.spans if s.start == positions[i]), None)
@@ -432,11 +437,18 @@ class LlamaCppBackend(Backend):
                 log.warning("image of %s failed: %s", sid, err)
                 continue
             slot.tokens += cache_keys([0] * span.length, [ImageSpan(0, span.length, span.image)])
+            decoded.append((slot, span))
             image_rows.update(range(i, i + span.length))
         if failed:
+            self._undo_images(decoded)
             raise BackendError("the image encoder or its decode failed", failed)
         keep = [i for i in range(len(flat_ids)) if i not in image_rows]
-        return [flat_ids[i] for i in keep], [positions[i] for i in keep], [sequence_ids[i] for i in keep]
+        return [flat_ids[i] for i in keep], [positions[i] for i in keep], [sequence_ids[i] for i in keep], decoded
+
+    def _undo_images(self, decoded: list[tuple[Slot, ImageSpan]]) -> None:
+        """Drop what a failed step's images put in KV: the sequence holds what it held before the step."""
+        for slot, span in decoded:
+            self._truncate(slot, span.start)
 
     def _count_prefix_stats(self, slots: dict[str, Slot]) -> None:
         """Count the prefix-cache stats of sequences that just ran for the first time since admission."""
