@@ -4,7 +4,7 @@ In-process by default (an ``AsyncLLM`` on this machine), or against a running se
 OpenAI-compatible ``/v1/chat/completions``, streamed over httpx). The reply streams as it is made;
 the conversation is kept and sent whole each turn (the engine's prefix cache makes that cheap).
 
-Commands: ``/reset`` forgets the conversation, ``/system TEXT`` sets the system prompt (``/system``
+Commands: ``/image PATH`` attaches an image to the next message (a vision model's), ``/reset`` forgets the conversation, ``/system TEXT`` sets the system prompt (``/system``
 alone clears it), ``/set KEY VALUE`` changes a sampling setting (``/set`` alone lists them), ``/help``,
 ``/exit``. Ctrl-C stops the reply being written (the request is aborted: in-process at once, over HTTP
 by closing the stream, which the server aborts) and returns to the prompt; Ctrl-D (EOF) exits.
@@ -42,6 +42,7 @@ SETTABLE: dict[str, Callable[[Any], Any]] = {
 DEFAULT_SAMPLING = {"temperature": 0.7, "max_tokens": 512}  # as the chat page
 
 HELP = """commands:
+  /image PATH         attach an image (PNG, JPEG, WebP, GIF) to your next message; repeat for several
   /reset              forget the conversation (the system prompt stays)
   /system TEXT        set the system prompt; /system alone clears it
   /set KEY VALUE      sampling setting, e.g. /set temperature 0.2 (/set alone lists them; VALUE none unsets)
@@ -89,6 +90,15 @@ class Conversation:
     system: str | None = None
     history: list[dict[str, str]] = field(default_factory=list)
     sampling: dict[str, Any] = field(default_factory=lambda: dict(DEFAULT_SAMPLING))
+    images: list[dict[str, Any]] = field(default_factory=list)  # image_url parts for the next message
+
+    def user_message(self, text: str) -> dict[str, Any]:
+        """The next user message: its text, and the images attached since the last one (then cleared)."""
+        if not self.images:
+            return {"role": "user", "content": text}
+        content = [{"type": "text", "text": text}, *self.images]
+        self.images = []
+        return {"role": "user", "content": content}
 
     def messages(self) -> list[dict[str, str]]:
         return ([{"role": "system", "content": self.system}] if self.system else []) + self.history
@@ -109,7 +119,19 @@ class Conversation:
             return f"(system prompt: {arg!r})" if arg else "(system prompt cleared)", False
         if name == "set":
             return self._set(arg), False
+        if name == "image":
+            return self._image(arg), False
         return f"unknown command /{name}; /help lists them", False
+
+    def _image(self, arg: str) -> str:
+        if not arg:
+            return "usage: /image PATH (a PNG, JPEG, WebP or GIF file)"
+        try:
+            part = image_part(arg)
+        except (OSError, ValueError) as err:
+            return f"cannot attach {arg!r}: {err}"
+        self.images.append(part)
+        return f"(image {len(self.images)} attached to your next message)"
 
     def _set(self, arg: str) -> str:
         if not arg:
@@ -128,6 +150,35 @@ class Conversation:
         except (ValueError, TypeError, yaml.YAMLError) as err:
             return f"bad value for {key}: {raw!r} ({err})"
         return f"({key} = {json.dumps(self.sampling[key])})"
+
+
+MAX_IMAGE_FILE_BYTES = 20 << 20  # the server's max_image_bytes default
+_IMAGE_TYPES = {"PNG": "image/png", "JPEG": "image/jpeg", "MPO": "image/jpeg", "WEBP": "image/webp", "GIF": "image/gif"}
+
+
+def image_part(path: str) -> dict[str, Any]:
+    """An OpenAI ``image_url`` part holding the file as a data URL; ValueError / OSError saying why not."""
+    import base64
+    import io
+    from pathlib import Path
+
+    file = Path(path).expanduser()
+    if not file.is_file():
+        raise ValueError("no such file")
+    size = file.stat().st_size
+    if size > MAX_IMAGE_FILE_BYTES:
+        raise ValueError(f"{size} bytes, more than {MAX_IMAGE_FILE_BYTES}")
+    data = file.read_bytes()
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(io.BytesIO(data)) as image:
+            kind = _IMAGE_TYPES.get(image.format or "")
+    except (UnidentifiedImageError, OSError):
+        kind = None
+    if kind is None:
+        raise ValueError("not a PNG, JPEG, WebP or GIF image")
+    return {"type": "image_url", "image_url": {"url": f"data:{kind};base64,{base64.b64encode(data).decode()}"}}
 
 
 class InProcessModel:
@@ -293,7 +344,7 @@ class ChatLoop:
     def turn(self, text: str) -> None:
         """One user message and the model's streamed reply."""
         history = self.conversation.history
-        history.append({"role": "user", "content": text})
+        history.append(self.conversation.user_message(text))
         parts: list[str] = []
 
         def on_text(delta: str) -> None:

@@ -165,3 +165,39 @@ def test_ctrl_c_stops_the_reply_not_the_program_over_http(chat_server: ServerPro
 
 def test_in_process_chat_ctrl_c_and_eof() -> None:
     _interrupt_a_long_reply(_chat_cmd("--n-threads", "1", "--temperature", "0"), _env(), server=None)
+
+
+def test_image_command_attaches_images_to_the_next_message(tmp_path) -> None:
+    """`/image PATH` in-process on the tiny Gemma 3 VLM (its projector beside it): the next message carries the
+    image as an image_url part (kept in the history for later turns), the model answers; a missing file and a
+    non-image are refused in the terminal without sending anything."""
+    import asyncio
+    from pathlib import Path
+
+    from cllm import tiny_vlms
+    from cllm.chat_cli import InProcessModel
+    from cllm.config import load_config
+    from cllm.engine.async_llm import AsyncLLM
+
+    picture = tmp_path / "picture.png"
+    tiny_vlms.sample_image("gemma3").save(picture)
+    (tmp_path / "notes.txt").write_text("not an image")
+    gguf = Path(__file__).resolve().parent.parent / "assets" / "models" / "tiny-gemma3-f32.gguf"
+    loop = asyncio.new_event_loop()
+    model = InProcessModel(AsyncLLM(config=load_config(model=str(gguf), backend="llama_cpp", n_ctx=2048, n_seq_max=1)))
+    conversation = Conversation(sampling={"temperature": 0, "max_tokens": 4})
+    script = f"/image {tmp_path / 'missing.png'}\n/image {tmp_path / 'notes.txt'}\n/image {picture}\nWhat is it?\nAnd now?\n"
+    stdout, stderr = io.StringIO(), io.StringIO()
+    try:
+        assert ChatLoop(model, conversation, loop=loop, stdin=io.StringIO(script), stdout=stdout, stderr=stderr).run() == 0
+    finally:
+        loop.run_until_complete(model.close())
+        loop.close()
+    out = stdout.getvalue()
+    assert "cannot attach" in out and "no such file" in out and "not a PNG, JPEG, WebP or GIF" in out
+    assert "(image 1 attached to your next message)" in out
+    first = conversation.history[0]["content"]
+    assert first[0] == {"type": "text", "text": "What is it?"}
+    assert first[1]["image_url"]["url"].startswith("data:image/png;base64,")
+    assert conversation.history[2] == {"role": "user", "content": "And now?"}  # the image went with one message
+    assert stderr.getvalue().count("[4 tokens") == 2
