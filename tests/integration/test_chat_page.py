@@ -468,3 +468,49 @@ def test_model_picker_on_a_two_model_server(browser: webdriver.Chrome, two_model
         ("user", None), ("assistant", "other"), ("user", None), ("assistant", "small")]
     assert _statuses(two_model_server) == {"small": "loaded", "other": "loaded"}
     _screenshot(browser, "chat-page-model-picker.png")
+
+
+@pytest.fixture(scope="module")
+def vision_server() -> Iterator[ServerProcess]:
+    """The tiny Gemma 3 VLM GGUF with its projector beside it (tests/assets/models)."""
+    srv = start_server("--model", str(REPO / "tests" / "assets" / "models" / "tiny-gemma3-f32.gguf"),
+                       "--n-seq-max", "2", "--n-ctx", "4096", "--speculative", "off")
+    yield srv
+    _finish(srv)
+
+
+def test_attach_an_image_send_it_and_refuse_a_non_image(browser: webdriver.Chrome, vision_server: ServerProcess,
+                                                        tmp_path: Path) -> None:
+    from cllm import tiny_vlms
+
+    picture = tmp_path / "picture.png"
+    tiny_vlms.sample_image("gemma3").save(picture)
+    notes = tmp_path / "notes.txt"
+    notes.write_text("not an image")
+    _open(browser, vision_server.base_url + "/")
+    _model_shown(browser)
+    _settings(browser, **{"temperature": "0", "max-tokens": "6"})
+    chooser = browser.find_element(By.ID, "image-input")
+    chooser.send_keys(str(notes))  # refused in the page, nothing attached
+    _wait(browser, lambda d: "not a PNG, JPEG, WebP or GIF" in d.find_element(By.ID, "attach-error").text,
+          what="a text file was not refused")
+    assert browser.find_elements(By.CSS_SELECTOR, "#attachments img") == []
+    chooser.send_keys(str(picture))
+    _wait(browser, lambda d: len(d.find_elements(By.CSS_SELECTOR, "#attachments img.thumb")) == 1,
+          what="the picked image shows no thumbnail")
+    _send(browser, "What is in the picture?")
+    reply = _wait(browser, lambda d: (r := _last_reply(d)).get_attribute("data-state") in ("done", "error") and r,
+                  what="the reply never finished")
+    assert reply.get_attribute("data-state") == "done", reply.text
+    assert browser.find_elements(By.CSS_SELECTOR, "#attachments img") == []  # sent with that message only
+    user = browser.find_elements(By.CSS_SELECTOR, "#messages .msg.user")[-1]
+    assert user.find_element(By.CSS_SELECTOR, "img.thumb").get_attribute("src").startswith("data:image/png;base64,")
+    history = json.loads(browser.execute_script("return sessionStorage.getItem('cllm.chat.messages')"))
+    parts = history[0]["content"]
+    assert parts[0] == {"type": "text", "text": "What is in the picture?"}
+    assert parts[1]["type"] == "image_url" and parts[1]["image_url"]["url"].startswith("data:image/png;base64,")
+    assert re.search(r"6 tokens · length", browser.find_element(By.ID, "stats").text)
+    # the image is in the prompt the server counted: the engine saw <start_of_image> + 16 + <end_of_image>
+    with vision_server.http() as http:
+        assert http.get("/v1/engine").json()["stats"]["prompt_tokens_total"] > 18
+    _screenshot(browser, "chat-page-image.png")

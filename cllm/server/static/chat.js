@@ -23,6 +23,7 @@
     apiKey: sessionStorage.getItem(KEY_STORE) || "",
     controller: null,      // AbortController of the reply in flight
     generation: 0,         // bumped by New chat: a reply still ending belongs to the old conversation
+    attachments: [],       // [{url: data URL, name}]: images going with the next message
   };
 
   // ------------------------------------------------------------------ markdown (DOM only)
@@ -146,18 +147,66 @@
   function setContent(box, role, content) {
     const body = box.querySelector(".body");
     body.replaceChildren();
-    if (role === "user") body.textContent = content;  // the user's own text, shown as typed
+    if (role === "user" && Array.isArray(content)) {  // text and image parts
+      for (const part of content) {
+        if (part.type === "text") body.append(document.createTextNode(part.text));
+        else if (part.type === "image_url") body.append(thumbnail(part.image_url.url));
+      }
+    } else if (role === "user") body.textContent = content;  // the user's own text, shown as typed
     else renderMarkdown(content, body);
   }
 
+  function thumbnail(url) {
+    const img = el("img", "thumb"); img.src = url; img.alt = "image";
+    return img;
+  }
+
+  // ------------------------------------------------------------------ images for the next message
+  const IMAGE_TYPES = ["image/png", "image/jpeg", "image/webp", "image/gif"];
+  const MAX_IMAGE_BYTES = 20 * 1024 * 1024;  // the server's max_image_bytes default
+
+  function addImage(file) {
+    $("attach-error").textContent = "";
+    if (!IMAGE_TYPES.includes(file.type)) {
+      $("attach-error").textContent = `${file.name || "that file"}: not a PNG, JPEG, WebP or GIF image`;
+      return;
+    }
+    if (file.size > MAX_IMAGE_BYTES) {
+      $("attach-error").textContent = `${file.name}: larger than 20 MB`;
+      return;
+    }
+    const reader = new FileReader();
+    reader.onload = () => { state.attachments.push({ url: reader.result, name: file.name || "pasted image" }); showAttachments(); };
+    reader.onerror = () => { $("attach-error").textContent = `${file.name}: could not be read`; };
+    reader.readAsDataURL(file);
+  }
+
+  function showAttachments() {
+    const box = $("attachments");
+    box.replaceChildren();
+    state.attachments.forEach((a, i) => {
+      const item = el("span", "attachment");
+      const remove = el("button", "remove"); remove.type = "button"; remove.textContent = "×";
+      remove.title = `remove ${a.name}`;
+      remove.addEventListener("click", () => { state.attachments.splice(i, 1); showAttachments(); });
+      item.append(thumbnail(a.url), remove);
+      box.append(item);
+    });
+  }
+
+
+
   function scrollToEnd() { const main = document.querySelector("main"); main.scrollTop = main.scrollHeight; }
 
-  function saveChat() { sessionStorage.setItem(CHAT_STORE, JSON.stringify(state.messages)); }
+  function saveChat() {
+    try { sessionStorage.setItem(CHAT_STORE, JSON.stringify(state.messages)); } catch (_) { /* images past the tab's storage quota: kept in memory only */ }
+  }
 
   function restoreChat() {
     try { state.messages = JSON.parse(sessionStorage.getItem(CHAT_STORE) || "[]"); } catch (_) { state.messages = []; }
     if (!Array.isArray(state.messages)) state.messages = [];
-    state.messages = state.messages.filter((m) => m && (m.role === "user" || m.role === "assistant") && typeof m.content === "string");
+    state.messages = state.messages.filter((m) => m && (m.role === "user" || m.role === "assistant")
+      && (typeof m.content === "string" || (m.role === "user" && Array.isArray(m.content))));
     for (const m of state.messages) messageView(m.role, m.content, typeof m.model === "string" ? m.model : null);
     scrollToEnd();
   }
@@ -431,7 +480,9 @@
   async function send(text) {
     if (state.controller) return;
     let body;
-    state.messages.push({ role: "user", content: text });
+    const images = state.attachments.map((a) => ({ type: "image_url", image_url: { url: a.url } }));
+    const content = images.length ? [{ type: "text", text }, ...images] : text;
+    state.messages.push({ role: "user", content });
     try {
       body = buildRequest();
     } catch (err) {
@@ -441,7 +492,8 @@
       return;
     }
     $("input").value = "";
-    messageView("user", text);
+    state.attachments = []; showAttachments();
+    messageView("user", content);
     saveChat();
     const generation = state.generation;
     const userMessage = state.messages[state.messages.length - 1];
@@ -533,10 +585,27 @@
       if (ev.key === "Enter" && !ev.shiftKey && !ev.isComposing) { ev.preventDefault(); $("composer").requestSubmit(); }
     });
     $("stop").addEventListener("click", () => { if (state.controller) state.controller.abort(); });
+    $("attach").addEventListener("click", () => $("image-input").click());
+    $("image-input").addEventListener("change", () => {
+      for (const file of $("image-input").files) addImage(file);
+      $("image-input").value = "";
+    });
+    $("input").addEventListener("paste", (ev) => {
+      const files = Array.from(ev.clipboardData ? ev.clipboardData.items : []).filter((i) => i.kind === "file").map((i) => i.getAsFile());
+      if (files.length) { ev.preventDefault(); for (const f of files) if (f) addImage(f); }
+    });
+    for (const target of [$("composer"), $("attachments")]) {
+      target.addEventListener("dragover", (ev) => { ev.preventDefault(); });
+      target.addEventListener("drop", (ev) => {
+        ev.preventDefault();
+        for (const f of (ev.dataTransfer ? ev.dataTransfer.files : [])) addImage(f);
+      });
+    }
     $("new-chat").addEventListener("click", () => {
       if (state.controller) state.controller.abort();
       state.generation++;
       state.messages = []; saveChat();
+      state.attachments = []; showAttachments();
       $("messages").replaceChildren(); $("empty-hint").hidden = false; $("stats").textContent = "";
     });
     $("toggle-settings").addEventListener("click", () => {
