@@ -388,6 +388,49 @@ def build_tiny_vlm(family: str, path: Path, *, seed: int = 0) -> Path:
     return path
 
 
+# Families built for the torch backend only (no llama.cpp conversion in tests/assets): same tokenizer, processor
+# settings and image size as their sibling in VLM_FAMILIES.
+TORCH_ONLY_FAMILIES: dict[str, str] = {"qwen2_5_vl": "qwen2_vl"}
+
+
+def build_tiny_qwen2_5_vl(path: Path, *, seed: int = 0) -> Path:
+    """A tiny Qwen2.5-VL (its windowed-attention vision tower: 2 blocks, the second full attention; the text model
+    and the processor of the ``qwen2_vl`` family, processor class Qwen2_5_VLProcessor), saved at ``path``."""
+    import json
+
+    import torch
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    base = vlm_config("qwen2_vl")
+    text = base.text_config.to_dict()
+    text["model_type"] = "qwen2_5_vl_text"
+    vision = dict(depth=2, hidden_size=32, out_hidden_size=64, intermediate_size=64, num_heads=2, in_channels=3,
+                  patch_size=PATCH_SIZE["qwen2_vl"], spatial_merge_size=2, temporal_patch_size=2, window_size=32,
+                  fullatt_block_indexes=[1], initializer_range=INIT_RANGE, hidden_act="silu")
+    config = Qwen2_5_VLConfig(text_config=text, vision_config=vision, image_token_id=base.image_token_id,
+                              video_token_id=base.video_token_id, vision_start_token_id=base.vision_start_token_id,
+                              vision_end_token_id=base.vision_end_token_id, tie_word_embeddings=True)
+    torch.manual_seed(seed)
+    model = Qwen2_5_VLForConditionalGeneration._from_config(config, dtype=torch.float32)
+    _randomize_vectors(model, torch.Generator().manual_seed(seed + 1))
+    g = torch.Generator().manual_seed(seed + 2)
+    with torch.no_grad():
+        for _, p in model.named_parameters():
+            flat = p.reshape(-1)
+            if p.dim() >= 2 and bool((flat == flat[0]).all()):
+                p.copy_(torch.randn(p.shape, generator=g) * INIT_RANGE)
+        model.get_input_embeddings().weight[text["pad_token_id"]].copy_(torch.randn(64, generator=g) * INIT_RANGE)
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    model.eval().save_pretrained(str(path))
+    save_processor(build_processor("qwen2_vl"), path)
+    processor_config = path / "processor_config.json"
+    saved = json.loads(processor_config.read_text())
+    saved["processor_class"] = "Qwen2_5_VLProcessor"
+    processor_config.write_text(json.dumps(saved, indent=2))
+    return path
+
+
 def _restore_vision_model_prefix(path: Path) -> None:
     """transformers 5 drops the ``vision_model.`` level of CLIP/SigLIP towers and saves ``vision_tower.encoder...``;
     real checkpoints (and llama.cpp's converters) have ``vision_tower.vision_model.encoder...``. Rewrite the keys to

@@ -94,6 +94,31 @@ def test_torch_matches_transformers(family, built, torch_llms):
     assert max(abs(a - b) for a, b in zip(ref, ours(out))) < 1e-4
 
 
+def test_torch_qwen2_5_vl_matches_transformers(tmp_path):
+    """Qwen2.5-VL (windowed vision attention, M-RoPE), torch only: no llama.cpp pair in the assets."""
+    from transformers import AutoModelForImageTextToText
+
+    path = tv.build_tiny_qwen2_5_vl(tmp_path / "qwen2_5_vl")
+    llm = LLM(model=str(path), backend="torch", dtype="float32", n_ctx=2048, n_seq_max=2)
+    try:
+        img = image("qwen2_vl")
+        out = llm.chat(chat(img), GREEDY)[0]
+        vision = llm.engine.backend._vision
+        assert out.error is None and vision.uses_mrope
+        assert out.prompt_token_ids.count(vision.image_token_id) == tv.IMAGE_TOKENS["qwen2_vl"]
+        model = AutoModelForImageTextToText.from_pretrained(path).eval()
+        ids = torch.tensor([out.prompt_token_ids + out.outputs[0].token_ids])
+        inputs = vision.processor.image_processor(images=[img.to_pil()], return_tensors="pt")
+        with torch.no_grad():
+            logits = model(input_ids=ids, pixel_values=inputs["pixel_values"], image_grid_thw=inputs["image_grid_thw"],
+                           mm_token_type_ids=(ids == vision.image_token_id).to(torch.int32)).logits[0].log_softmax(-1)
+        n = len(out.prompt_token_ids)
+        ref = [logits[n - 1 + i, t].item() for i, t in enumerate(out.outputs[0].token_ids)]
+        assert max(abs(a - b) for a, b in zip(ref, ours(out))) < 1e-4
+    finally:
+        llm.close()
+
+
 @pytest.mark.parametrize("family", ["llava", "qwen2_vl"])
 def test_torch_batched_images_equal_alone(family, torch_llms):
     llm = torch_llms[family]
