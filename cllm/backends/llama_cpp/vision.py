@@ -87,7 +87,9 @@ class MtmdContext:
         params.use_gpu = use_gpu
         params.n_threads = n_threads
         params.print_timings = False
-        params.warmup = False
+        # A warm-up encode allocates the encoder's compute buffers now, as llama-server does: the backend sizes
+        # its KV cache after this, from the memory still available, so the encoder's memory is counted there.
+        params.warmup = True
         ctx = M.mtmd_init_from_file(str(path).encode(), model.ptr, params)
         if not ctx:
             raise ValueError(f"libmtmd could not load the projector {str(path)!r} for this model "
