@@ -4,7 +4,9 @@ In-process by default (an ``AsyncLLM`` on this machine), or against a running se
 OpenAI-compatible ``/v1/chat/completions``, streamed over httpx). The reply streams as it is made;
 the conversation is kept and sent whole each turn (the engine's prefix cache makes that cheap).
 
-Commands: ``/image PATH`` attaches an image to the next message (a vision model's), ``/reset`` forgets the conversation, ``/system TEXT`` sets the system prompt (``/system``
+Commands: ``/image PATH`` attaches an image file to the next message (for a vision model: it goes as an
+OpenAI ``image_url`` part holding a base64 ``data:`` URL; ``/image`` alone lists the attached ones, ``/image
+none`` drops them), ``/reset`` forgets the conversation, ``/system TEXT`` sets the system prompt (``/system``
 alone clears it), ``/set KEY VALUE`` changes a sampling setting (``/set`` alone lists them), ``/help``,
 ``/exit``. Ctrl-C stops the reply being written (the request is aborted: in-process at once, over HTTP
 by closing the stream, which the server aborts) and returns to the prompt; Ctrl-D (EOF) exits.
@@ -42,7 +44,8 @@ SETTABLE: dict[str, Callable[[Any], Any]] = {
 DEFAULT_SAMPLING = {"temperature": 0.7, "max_tokens": 512}  # as the chat page
 
 HELP = """commands:
-  /image PATH         attach an image (PNG, JPEG, WebP, GIF) to your next message; repeat for several
+  /image PATH         attach an image file (PNG, JPEG, WebP, GIF; at most 20 MB) to your next message;
+                      repeat for several; /image alone lists them, /image none drops them
   /reset              forget the conversation (the system prompt stays)
   /system TEXT        set the system prompt; /system alone clears it
   /set KEY VALUE      sampling setting, e.g. /set temperature 0.2 (/set alone lists them; VALUE none unsets)
@@ -77,7 +80,7 @@ class ChatModel(Protocol):
 
     name: str
 
-    async def reply(self, messages: list[dict[str, str]], sampling: dict[str, Any],
+    async def reply(self, messages: list[dict[str, Any]], sampling: dict[str, Any],
                     on_text: Callable[[str], None]) -> ReplyStats: ...
 
     async def close(self) -> None: ...
@@ -88,19 +91,29 @@ class Conversation:
     """The system prompt, the turns so far, and the sampling settings."""
 
     system: str | None = None
-    history: list[dict[str, str]] = field(default_factory=list)
+    history: list[dict[str, Any]] = field(default_factory=list)
     sampling: dict[str, Any] = field(default_factory=lambda: dict(DEFAULT_SAMPLING))
     images: list[dict[str, Any]] = field(default_factory=list)  # image_url parts for the next message
+    image_names: list[str] = field(default_factory=list)  # their files, as /image named them (for /image alone)
 
     def user_message(self, text: str) -> dict[str, Any]:
         """The next user message: its text, and the images attached since the last one (then cleared)."""
         if not self.images:
             return {"role": "user", "content": text}
         content = [{"type": "text", "text": text}, *self.images]
-        self.images = []
+        self.images, self.image_names = [], []
         return {"role": "user", "content": content}
 
-    def messages(self) -> list[dict[str, str]]:
+    def take_back(self, message: dict[str, Any]) -> int:
+        """A user message that was not answered: its images are attached to the next one again; how many."""
+        content = message.get("content")
+        parts = [p for p in content if p.get("type") == "image_url"] if isinstance(content, list) else []
+        if parts and not self.images:
+            self.images = parts
+            self.image_names = [f"image {i + 1} of the unanswered message" for i in range(len(parts))]
+        return len(parts)
+
+    def messages(self) -> list[dict[str, Any]]:
         return ([{"role": "system", "content": self.system}] if self.system else []) + self.history
 
     def command(self, line: str) -> tuple[str, bool]:
@@ -113,6 +126,7 @@ class Conversation:
             return HELP, False
         if name == "reset":
             self.history.clear()
+            self.images, self.image_names = [], []
             return "(conversation forgotten)", False
         if name == "system":
             self.system = arg or None
@@ -125,12 +139,20 @@ class Conversation:
 
     def _image(self, arg: str) -> str:
         if not arg:
-            return "usage: /image PATH (a PNG, JPEG, WebP or GIF file)"
+            listed = "".join(f"\n  {i + 1}. {name}" for i, name in enumerate(self.image_names))
+            return ("attached to your next message:" + listed if listed else "(no image attached)") + \
+                "\nusage: /image PATH (a PNG, JPEG, WebP or GIF file); /image none drops the attached ones"
+        if arg == "none":
+            n = len(self.images)
+            self.images, self.image_names = [], []
+            return f"({n} attached image{'' if n == 1 else 's'} dropped)"
+        path = _typed_path(arg)
         try:
-            part = image_part(arg)
+            part = image_part(path)
         except (OSError, ValueError) as err:
-            return f"cannot attach {arg!r}: {err}"
+            return f"cannot attach {path!r}: {err}"
         self.images.append(part)
+        self.image_names.append(path)
         return f"(image {len(self.images)} attached to your next message)"
 
     def _set(self, arg: str) -> str:
@@ -156,19 +178,41 @@ MAX_IMAGE_FILE_BYTES = 20 << 20  # the server's max_image_bytes default
 _IMAGE_TYPES = {"PNG": "image/png", "JPEG": "image/jpeg", "MPO": "image/jpeg", "WEBP": "image/webp", "GIF": "image/gif"}
 
 
+def _typed_path(arg: str) -> str:
+    """The path as typed, or as a shell would read it when that is no file: a path dropped into a terminal
+    comes quoted ('/a b.png') or escaped (/a\\ b.png)."""
+    import os
+    import shlex
+
+    if os.path.exists(os.path.expanduser(arg)):
+        return arg
+    try:
+        words = shlex.split(arg)
+    except ValueError:
+        return arg
+    return words[0] if len(words) == 1 else arg
+
+
 def image_part(path: str) -> dict[str, Any]:
-    """An OpenAI ``image_url`` part holding the file as a data URL; ValueError / OSError saying why not."""
+    """An OpenAI ``image_url`` part holding the file as a base64 data URL; ValueError / OSError saying why not
+    (no such file, a directory, over 20 MB, unreadable, not a PNG, JPEG, WebP or GIF). The server checks the
+    bytes again."""
     import base64
     import io
     from pathlib import Path
 
     file = Path(path).expanduser()
-    if not file.is_file():
+    if not file.exists():
         raise ValueError("no such file")
-    size = file.stat().st_size
-    if size > MAX_IMAGE_FILE_BYTES:
-        raise ValueError(f"{size} bytes, more than {MAX_IMAGE_FILE_BYTES}")
-    data = file.read_bytes()
+    if not file.is_file():
+        raise ValueError("not a file" + (" (a directory)" if file.is_dir() else ""))
+    too_large = f"more than {MAX_IMAGE_FILE_BYTES >> 20} MB ({MAX_IMAGE_FILE_BYTES} bytes)"
+    if file.stat().st_size > MAX_IMAGE_FILE_BYTES:
+        raise ValueError(too_large)
+    with file.open("rb") as f:  # PermissionError (an OSError) when it cannot be read
+        data = f.read(MAX_IMAGE_FILE_BYTES + 1)  # bounded: the file may have grown since stat
+    if len(data) > MAX_IMAGE_FILE_BYTES:
+        raise ValueError(too_large)
     from PIL import Image, UnidentifiedImageError
 
     try:
@@ -188,7 +232,7 @@ class InProcessModel:
         self.engine = engine
         self.name = str(engine.model_name)
 
-    async def reply(self, messages: list[dict[str, str]], sampling: dict[str, Any],
+    async def reply(self, messages: list[dict[str, Any]], sampling: dict[str, Any],
                     on_text: Callable[[str], None]) -> ReplyStats:
         from cllm.sampling.params import SamplingParams
 
@@ -241,7 +285,7 @@ class RemoteModel:
             raise RuntimeError(f"{self.base} serves no model {self.name!r}; it serves "
                                + ", ".join(repr(n) for n in names))
 
-    async def reply(self, messages: list[dict[str, str]], sampling: dict[str, Any],
+    async def reply(self, messages: list[dict[str, Any]], sampling: dict[str, Any],
                     on_text: Callable[[str], None]) -> ReplyStats:
         body = {"model": self.name, "messages": messages, "stream": True,
                 "stream_options": {"include_usage": True}, **sampling}
@@ -251,7 +295,8 @@ class RemoteModel:
         async with self.client.stream("POST", f"{self.base}/chat/completions", json=body) as res:
             if res.status_code != 200:
                 text = (await res.aread()).decode(errors="replace")
-                raise RuntimeError(f"server answered {res.status_code}: {_error_message(text)}")
+                hint = _IMAGE_SIZE_HINT if res.status_code == 413 and _holds_images(messages) else ""
+                raise RuntimeError(f"server answered {res.status_code}: {_error_message(text)}{hint}")
             # Both generators closed explicitly: [DONE] ends the loop before the lines run out, and an
             # abandoned one is finalised at interpreter exit ("Task was destroyed but it is pending").
             async with contextlib.aclosing(res.aiter_lines()) as lines, \
@@ -282,6 +327,15 @@ async def _sse_events(lines: AsyncIterator[str]) -> AsyncIterator[dict[str, Any]
         if data == "[DONE]":
             return
         yield json.loads(data)
+
+
+_IMAGE_SIZE_HINT = (" (images go inside the request, the whole conversation's included: a server started with a "
+                    "larger --set max_body_bytes=N takes them)")
+
+
+def _holds_images(messages: list[dict[str, Any]]) -> bool:
+    return any(isinstance(m.get("content"), list) and any(p.get("type") == "image_url" for p in m["content"])
+               for m in messages)
 
 
 def _error_message(text: str) -> str:
@@ -362,7 +416,10 @@ class ChatLoop:
         if reply:
             history.append({"role": "assistant", "content": reply})
         elif stats is None and note.startswith("error"):
-            history.pop()  # nothing came back: the message did not happen
+            n = self.conversation.take_back(history.pop())  # nothing came back: the message did not happen
+            if n:
+                note += (f"\n(its {n} image{'' if n == 1 else 's'} stay{'s' if n == 1 else ''} attached to your "
+                         f"next message; /image none drops {'it' if n == 1 else 'them'})")
         self.stderr.write((stats.line() if stats is not None else note) + "\n")
         self.stderr.flush()
 

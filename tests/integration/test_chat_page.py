@@ -11,6 +11,10 @@ The model picker (several models behind one server) runs against a real two-mode
 GGUF under two names). One test scripts only GET /v1/models and the router's 503 answers in the page's
 fetch — a model name full of markup, a model that takes seconds to load, a server with no room — while
 the real engine still writes every reply.
+
+Images: picked through the real file input (Selenium send_keys), dropped and pasted as real DataTransfer events,
+sent to the tiny LLaVA (cllm/tiny_vlms.py) on the torch backend and to the tiny Gemma 3 GGUF on llama.cpp; refused
+in the page (not an image, over 20 MB) and by the server (413 body limit, 400 text-only model).
 """
 from __future__ import annotations
 
@@ -514,3 +518,204 @@ def test_attach_an_image_send_it_and_refuse_a_non_image(browser: webdriver.Chrom
     with vision_server.http() as http:
         assert http.get("/v1/engine").json()["stats"]["prompt_tokens_total"] > 18
     _screenshot(browser, "chat-page-image.png")
+
+
+# ---------------------------------------------------------------------------------------------- images
+
+# Every chat request the page sends, as the JSON it sent (installed after the page loaded; the page calls the
+# global fetch at each request).
+RECORD_REQUESTS = """
+  window.__sent = [];
+  const realFetch = window.fetch.bind(window);
+  window.fetch = (url, options) => {
+    if (String(url).endsWith('v1/chat/completions')) window.__sent.push(JSON.parse(options.body));
+    return realFetch(url, options);
+  };
+"""
+
+# Hands files to the page as a drop on the conversation (arguments: event, [[name, type, base64 | size]]):
+# a real DataTransfer of real File objects, as a drag from the desktop gives.
+DISPATCH_FILES = """
+  const [kind, specs] = arguments;
+  const dt = new DataTransfer();
+  for (const [name, type, b64, size] of specs) {
+    const bytes = b64 !== null ? Uint8Array.from(atob(b64), (c) => c.charCodeAt(0)) : new Uint8Array(size);
+    dt.items.add(new File([bytes], name, {type}));
+  }
+  const init = {bubbles: true, cancelable: true};
+  const event = kind === 'paste' ? new ClipboardEvent('paste', Object.assign({clipboardData: dt}, init))
+                                 : new DragEvent(kind, Object.assign({dataTransfer: dt}, init));
+  const target = kind === 'paste' ? document.getElementById('input') : document.getElementById('messages');
+  return target.dispatchEvent(event);  // false: the page took the event (the browser does not open the file)
+"""
+
+
+@pytest.fixture(scope="module")
+def llava_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """The tiny random LLaVA (cllm/tiny_vlms.py: CLIP tower, 16 image tokens) on the torch backend, float32;
+    bodies up to 32 MiB (the default 1 MiB would refuse the multi-megabyte image below)."""
+    from cllm import tiny_vlms
+
+    model = tiny_vlms.build_tiny_vlm("llava", tmp_path_factory.mktemp("tiny-llava") / "tiny-llava")
+    srv = start_server("--backend", "torch", "--model", str(model), "--set", "dtype=float32",
+                       "--set", f"max_body_bytes={32 << 20}", "--n-seq-max", "2", "--n-ctx", "4096", "--speculative", "off", "--log-level", "info")
+    yield srv
+    _finish(srv)
+
+
+def _png(family: str, seed: int, path: Path) -> Path:
+    from cllm import tiny_vlms
+
+    tiny_vlms.sample_image(family, seed=seed).save(path)
+    return path
+
+
+def _noise_png(path: Path, side: int) -> Path:
+    """An incompressible PNG: side * side * 3 bytes and a little more."""
+    import numpy as np
+    from PIL import Image
+
+    Image.fromarray(np.random.default_rng(0).integers(0, 256, (side, side, 3), dtype=np.uint8), "RGB").save(path)
+    return path
+
+
+def _thumbs(driver: webdriver.Chrome, css: str = "#attachments img.thumb") -> list[str]:
+    return [img.get_attribute("src") for img in driver.find_elements(By.CSS_SELECTOR, css)]
+
+
+def _data_url(path: Path, media_type: str = "image/png") -> str:
+    import base64
+
+    return f"data:{media_type};base64," + base64.b64encode(path.read_bytes()).decode()
+
+
+def test_images_picked_removed_sent_and_kept_on_a_llava_server(browser: webdriver.Chrome, llava_server: ServerProcess,
+                                                               tmp_path: Path) -> None:
+    """Two images picked with the file button, one removed with ×; the message goes as text + image_url parts
+    (the request the page sent, replayed: the server counts the image's 16 tokens); the user's bubble shows the
+    image; the tiny LLaVA answers; the next turn carries the image again in its history."""
+    first, second = _png("llava", 0, tmp_path / "first.png"), _png("llava", 1, tmp_path / "second.png")
+    _open(browser, llava_server.base_url + "/")
+    _model_shown(browser)
+    browser.execute_script(RECORD_REQUESTS)
+    _settings(browser, **{"temperature": "0", "max-tokens": "4", "extra": json.dumps({"ignore_eos": True})})
+    browser.find_element(By.ID, "image-input").send_keys(f"{first}\n{second}")  # two files in one pick
+    _wait(browser, lambda d: len(_thumbs(d)) == 2, what="the two picked images show no thumbnails")
+    assert _thumbs(browser) == [_data_url(first), _data_url(second)]  # in the order picked
+    browser.find_elements(By.CSS_SELECTOR, "#attachments .remove")[1].click()
+    assert _thumbs(browser) == [_data_url(first)]
+
+    _send(browser, "What is in the picture?")
+    reply = _reply_done(browser, 1)
+    assert reply.get_attribute("data-state") == "done", reply.text
+    assert re.search(r"4 tokens · length", browser.find_element(By.ID, "stats").text)
+    assert _thumbs(browser) == []  # the image went with that message
+    assert _thumbs(browser, "#messages .msg.user img.thumb") == [_data_url(first)]
+    assert browser.find_element(By.CSS_SELECTOR, "#messages .msg.user .body").text.startswith("What is in the picture?")
+    sent = browser.execute_script("return window.__sent")
+    assert sent[0]["messages"] == [{"role": "user", "content": [
+        {"type": "text", "text": "What is in the picture?"},
+        {"type": "image_url", "image_url": {"url": _data_url(first)}}]}]
+
+    _send(browser, "And now?")  # the image stays in the history sent with later turns
+    assert _reply_done(browser, 2).get_attribute("data-state") == "done"
+    sent = browser.execute_script("return window.__sent")
+    assert [m["role"] for m in sent[1]["messages"]] == ["user", "assistant", "user"]
+    assert sent[1]["messages"][0] == sent[0]["messages"][0] and sent[1]["messages"][2]["content"] == "And now?"
+
+    # The server reads the page's image: the same request without it is 16 image tokens (+ the template's
+    # newline after <image>) shorter.
+    body = {**sent[0], "stream": False, "max_tokens": 1}
+    body.pop("stream_options")
+    text_only = {**body, "messages": [{"role": "user", "content": "What is in the picture?"}]}
+    with llava_server.http() as http:
+        with_image, without = (http.post("/v1/chat/completions", json=b).json()["usage"]["prompt_tokens"]
+                               for b in (body, text_only))
+    assert with_image - without == 17, (with_image, without)
+    browser.refresh()  # the conversation, images included, survives a reload
+    assert _thumbs(browser, "#messages .msg.user img.thumb") == [_data_url(first)]
+    _screenshot(browser, "chat-page-image-llava.png")
+
+    # An image past the tab's storage quota (~10 MB of base64 here): sent, answered, kept in this tab; the stored
+    # conversation has a note in its place (and keeps the small one), which is what a reload shows.
+    browser.execute_script(RECORD_REQUESTS)
+    huge = _noise_png(tmp_path / "noise.png", 1800)
+    browser.find_element(By.ID, "image-input").send_keys(str(huge))
+    _wait(browser, lambda d: len(_thumbs(d)) == 1, what="the large image shows no thumbnail")
+    _send(browser, "And this one?")
+    assert _reply_done(browser, 3).get_attribute("data-state") == "done"
+    _send(browser, "Still there?")  # the large image goes again with the next turn: the tab kept it
+    assert _reply_done(browser, 4).get_attribute("data-state") == "done"
+    sent = browser.execute_script("return window.__sent")
+    assert sent[1]["messages"][4]["content"][1]["image_url"]["url"] == _data_url(huge)
+    stored = json.loads(browser.execute_script("return sessionStorage.getItem('cllm.chat.messages')"))
+    assert stored[0]["content"][1]["image_url"]["url"] == _data_url(first)
+    assert stored[4]["content"][0] == {"type": "text", "text": "And this one?"}
+    assert "image not kept across a reload" in stored[4]["content"][1]["text"]
+    browser.refresh()
+    assert len(browser.find_elements(By.CSS_SELECTOR, "#messages .msg.assistant")) == 4
+    assert _thumbs(browser, "#messages .msg.user img.thumb") == [_data_url(first)]
+    assert "image not kept across a reload" in browser.find_elements(By.CSS_SELECTOR, "#messages .msg.user")[2].text
+
+
+def test_dropped_and_pasted_images_and_refused_files(browser: webdriver.Chrome, page_server: ServerProcess,
+                                                     tmp_path: Path) -> None:
+    """A drop anywhere on the page and a paste into the message box attach images; a non-image (picked or
+    dropped) and a file over 20 MB are refused with a message and attach nothing."""
+    import base64
+
+    png = base64.b64encode(_png("llava", 2, tmp_path / "p.png").read_bytes()).decode()
+    _open(browser, page_server.base_url + "/")
+    _model_shown(browser)
+    error = lambda d: d.find_element(By.ID, "attach-error").text  # noqa: E731
+    (tmp_path / "notes.txt").write_text("not an image")
+    browser.find_element(By.ID, "image-input").send_keys(str(tmp_path / "notes.txt"))
+    _wait(browser, lambda d: error(d) == "notes.txt: not a PNG, JPEG, WebP or GIF image", timeout=5,
+          what="a picked text file was not refused")
+    assert browser.find_element(By.ID, "attach-error").is_displayed()
+    big = tmp_path / "huge.png"
+    with open(big, "wb") as f:
+        f.truncate(20 * 1024 * 1024 + 1)  # sparse: named and typed as a PNG, one byte over the limit
+    browser.find_element(By.ID, "image-input").send_keys(str(big))
+    _wait(browser, lambda d: error(d) == "huge.png: larger than 20 MB", timeout=5, what="a 20 MB + 1 file was not refused")
+    assert _thumbs(browser) == []
+
+    assert browser.execute_script(DISPATCH_FILES, "drop", [["dropped.png", "image/png", png, 0],
+                                                           ["dropped.pdf", "application/pdf", None, 10]]) is False
+    _wait(browser, lambda d: len(_thumbs(d)) == 1, timeout=5, what="the dropped image shows no thumbnail")
+    assert error(browser) == "dropped.pdf: not a PNG, JPEG, WebP or GIF image"
+    assert browser.execute_script(DISPATCH_FILES, "paste", [["", "image/png", png, 0]]) is False
+    _wait(browser, lambda d: len(_thumbs(d)) == 2, timeout=5, what="the pasted image shows no thumbnail")
+    assert error(browser) == ""  # a new batch clears the last refusal
+    assert browser.current_url.startswith(page_server.base_url)  # the drop did not navigate away
+    assert browser.find_element(By.CSS_SELECTOR, "#attachments .remove").get_attribute("title") == "remove dropped.png"
+
+
+def test_a_text_only_model_refuses_the_image_and_the_page_says_so(browser: webdriver.Chrome,
+                                                                   page_server: ServerProcess, tmp_path: Path) -> None:
+    """The embedded text model answers an image with its 400: shown under the reply as other errors are; the
+    message leaves the history and its image goes back to the composer (to remove, or send to another model).
+    Before that, an image larger than the server's body limit (1 MiB by default) gets its 413 and a hint."""
+    picture = _png("llava", 0, tmp_path / "picture.png")
+    _open(browser, page_server.base_url + "/")
+    _model_shown(browser)
+    _settings(browser, **{"max-tokens": "4"})
+    browser.find_element(By.ID, "image-input").send_keys(str(_noise_png(tmp_path / "big.png", 700)))
+    _wait(browser, lambda d: len(_thumbs(d)) == 1, timeout=5, what="no thumbnail")
+    _send(browser, "Big picture")
+    reply = _reply_done(browser, 1)
+    note = reply.find_element(By.CSS_SELECTOR, ".error-text").text
+    assert note.startswith("413: request body exceeds the server's limit of 1048576 bytes"), note
+    assert "--set max_body_bytes=N" in note
+    browser.find_element(By.CSS_SELECTOR, "#attachments .remove").click()
+    browser.find_element(By.ID, "image-input").send_keys(str(picture))
+    _wait(browser, lambda d: len(_thumbs(d)) == 1, timeout=5, what="no thumbnail")
+    browser.find_element(By.ID, "input").clear()
+    browser.find_element(By.ID, "send").click()  # an image alone, no text, is a message too
+    reply = _reply_done(browser, 2)
+    assert reply.get_attribute("data-state") == "error"
+    note = reply.find_element(By.CSS_SELECTOR, ".error-text").text
+    assert note.startswith("400: ") and "does not accept images" in note, note
+    assert _thumbs(browser) == [_data_url(picture)]
+    assert _thumbs(browser, "#messages .msg.user img.thumb")[-1] == _data_url(picture)  # still in its bubble
+    assert json.loads(browser.execute_script("return sessionStorage.getItem('cllm.chat.messages')")) == []

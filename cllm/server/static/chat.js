@@ -3,7 +3,8 @@
 // Safety rule of this file: text from the model, the user or the server (model names) only ever reaches the page through
 // textContent / createTextNode (and a link's href after URL parsing allows http(s) only). Nothing
 // here assigns innerHTML, outerHTML, insertAdjacentHTML or document.write; the server's
-// Content-Security-Policy forbids inline script as a second line of defence.
+// Content-Security-Policy forbids inline script as a second line of defence. Images: an <img> only ever gets a
+// data:image/ URL the page made from the person's own file (FileReader) or stored itself (checked on restore).
 "use strict";
 
 (() => {
@@ -23,7 +24,8 @@
     apiKey: sessionStorage.getItem(KEY_STORE) || "",
     controller: null,      // AbortController of the reply in flight
     generation: 0,         // bumped by New chat: a reply still ending belongs to the old conversation
-    attachments: [],       // [{url: data URL, name}]: images going with the next message
+    attachments: [],       // [{url: data URL (null while being read), name}]: images going with the next message
+    reading: new Set(),    // promises of the files still being read (a send waits for them)
   };
 
   // ------------------------------------------------------------------ markdown (DOM only)
@@ -147,66 +149,119 @@
   function setContent(box, role, content) {
     const body = box.querySelector(".body");
     body.replaceChildren();
-    if (role === "user" && Array.isArray(content)) {  // text and image parts
+    if (role === "user" && Array.isArray(content)) {  // text and image parts: the text, then the images
+      const images = el("div", "images");
       for (const part of content) {
         if (part.type === "text") body.append(document.createTextNode(part.text));
-        else if (part.type === "image_url") body.append(thumbnail(part.image_url.url));
+        else if (part.type === "image_url") images.append(thumbnail(part.image_url.url));
       }
+      if (images.childNodes.length) body.append(images);
     } else if (role === "user") body.textContent = content;  // the user's own text, shown as typed
     else renderMarkdown(content, body);
   }
 
-  function thumbnail(url) {
-    const img = el("img", "thumb"); img.src = url; img.alt = "image";
+  function thumbnail(url, name) {
+    const img = el("img", "thumb"); img.src = url; img.alt = name || "image";  // a data: URL (CSP: img-src data:)
+    if (name) img.title = name;
     return img;
   }
 
   // ------------------------------------------------------------------ images for the next message
+  // Pasted, dropped or picked files, checked here (type, size) before they are read; each goes with the next
+  // message as an OpenAI image_url part holding a data: URL. The server checks the bytes again (format, limits).
   const IMAGE_TYPES = ["image/png", "image/jpeg", "image/webp", "image/gif"];
   const MAX_IMAGE_BYTES = 20 * 1024 * 1024;  // the server's max_image_bytes default
 
-  function addImage(file) {
-    $("attach-error").textContent = "";
-    if (!IMAGE_TYPES.includes(file.type)) {
-      $("attach-error").textContent = `${file.name || "that file"}: not a PNG, JPEG, WebP or GIF image`;
-      return;
+  // Why a file is refused, or null.
+  function refusal(file) {
+    const name = file.name || "that file";
+    if (!IMAGE_TYPES.includes(file.type)) return `${name}: not a PNG, JPEG, WebP or GIF image`;
+    if (file.size > MAX_IMAGE_BYTES) return `${name}: larger than 20 MB`;
+    return null;
+  }
+
+  function readDataURL(file) {
+    return new Promise((resolve, reject) => {
+      const reader = new FileReader();
+      reader.onload = () => resolve(String(reader.result));
+      reader.onerror = () => reject(reader.error);
+      reader.readAsDataURL(file);
+    });
+  }
+
+  // Attach files, in the order given even if a later one is read first; the refused ones are named under the composer.
+  function addImages(files) {
+    const errors = [];
+    const showErrors = () => { $("attach-error").textContent = errors.join(" · "); };
+    for (const file of files) {
+      if (!file) continue;
+      const why = refusal(file);
+      if (why) { errors.push(why); continue; }
+      const entry = { url: null, name: file.name || "pasted image" };
+      state.attachments.push(entry);  // its place is kept while it is read
+      const read = readDataURL(file).then((url) => { entry.url = url; }, () => {
+        state.attachments = state.attachments.filter((a) => a !== entry);
+        errors.push(`${entry.name}: could not be read`);
+        showErrors();
+      }).finally(() => { state.reading.delete(read); showAttachments(); });
+      state.reading.add(read);
     }
-    if (file.size > MAX_IMAGE_BYTES) {
-      $("attach-error").textContent = `${file.name}: larger than 20 MB`;
-      return;
-    }
-    const reader = new FileReader();
-    reader.onload = () => { state.attachments.push({ url: reader.result, name: file.name || "pasted image" }); showAttachments(); };
-    reader.onerror = () => { $("attach-error").textContent = `${file.name}: could not be read`; };
-    reader.readAsDataURL(file);
+    showErrors();
   }
 
   function showAttachments() {
     const box = $("attachments");
     box.replaceChildren();
-    state.attachments.forEach((a, i) => {
+    for (const a of state.attachments) {
+      if (a.url === null) continue;
       const item = el("span", "attachment");
       const remove = el("button", "remove"); remove.type = "button"; remove.textContent = "×";
       remove.title = `remove ${a.name}`;
-      remove.addEventListener("click", () => { state.attachments.splice(i, 1); showAttachments(); });
-      item.append(thumbnail(a.url), remove);
+      remove.setAttribute("aria-label", `remove ${a.name}`);
+      remove.addEventListener("click", () => {
+        state.attachments = state.attachments.filter((x) => x !== a);
+        showAttachments();
+      });
+      item.append(thumbnail(a.url, a.name), remove);
       box.append(item);
-    });
+    }
   }
 
-
+  const isImagePart = (p) => p && p.type === "image_url" && p.image_url && typeof p.image_url.url === "string"
+    && p.image_url.url.startsWith("data:image/");
+  const isPart = (p) => (p && p.type === "text" && typeof p.text === "string") || isImagePart(p);
+  const holdsImages = (messages) => messages.some((m) => Array.isArray(m.content) && m.content.some(isImagePart));
+  const IMAGE_SIZE_HINT = " (the images go inside the request, whole conversation included: a server started with a"
+    + " larger --set max_body_bytes=N takes them)";
 
   function scrollToEnd() { const main = document.querySelector("main"); main.scrollTop = main.scrollHeight; }
 
+  // The conversation into the tab's storage. Images past its quota (a few MB) are stored as a note instead,
+  // largest first: this tab still sends them; after a reload the conversation goes on without them.
   function saveChat() {
-    try { sessionStorage.setItem(CHAT_STORE, JSON.stringify(state.messages)); } catch (_) { /* images past the tab's storage quota: kept in memory only */ }
+    const store = (messages) => {
+      try { sessionStorage.setItem(CHAT_STORE, JSON.stringify(messages)); return true; } catch (_) { return false; }
+    };
+    if (store(state.messages)) return;
+    const note = { type: "text", text: "\n[image not kept across a reload: too large for the tab's storage]" };
+    const lean = state.messages.map((m) => (Array.isArray(m.content) ? { ...m, content: [...m.content] } : m));
+    const images = [];  // [message, part, size]
+    lean.forEach((m, i) => {
+      if (Array.isArray(m.content)) m.content.forEach((p, j) => { if (isImagePart(p)) images.push([i, j, p.image_url.url.length]); });
+    });
+    images.sort((a, b) => b[2] - a[2]);
+    for (const [i, j] of images) {
+      lean[i].content[j] = note;
+      if (store(lean)) return;
+    }
+    sessionStorage.removeItem(CHAT_STORE);  // better no stored conversation than a stale one
   }
 
   function restoreChat() {
     try { state.messages = JSON.parse(sessionStorage.getItem(CHAT_STORE) || "[]"); } catch (_) { state.messages = []; }
     if (!Array.isArray(state.messages)) state.messages = [];
     state.messages = state.messages.filter((m) => m && (m.role === "user" || m.role === "assistant")
-      && (typeof m.content === "string" || (m.role === "user" && Array.isArray(m.content))));
+      && (typeof m.content === "string" || (m.role === "user" && Array.isArray(m.content) && m.content.every(isPart))));
     for (const m of state.messages) messageView(m.role, m.content, typeof m.model === "string" ? m.model : null);
     scrollToEnd();
   }
@@ -480,8 +535,9 @@
   async function send(text) {
     if (state.controller) return;
     let body;
-    const images = state.attachments.map((a) => ({ type: "image_url", image_url: { url: a.url } }));
-    const content = images.length ? [{ type: "text", text }, ...images] : text;
+    const attached = state.attachments.filter((a) => a.url !== null);
+    const images = attached.map((a) => ({ type: "image_url", image_url: { url: a.url } }));
+    const content = images.length ? [...(text ? [{ type: "text", text }] : []), ...images] : text;
     state.messages.push({ role: "user", content });
     try {
       body = buildRequest();
@@ -492,7 +548,7 @@
       return;
     }
     $("input").value = "";
-    state.attachments = []; showAttachments();
+    state.attachments = []; showAttachments(); $("attach-error").textContent = "";
     messageView("user", content);
     saveChat();
     const generation = state.generation;
@@ -520,7 +576,7 @@
         method: "POST", headers: headers(), body: JSON.stringify(body), signal: controller.signal,
       });
       if (res.status === 401) { askForKey("The server asks for an API key."); throw new Error("API key needed"); }
-      if (!res.ok) throw new Error(await errorMessage(res));
+      if (!res.ok) throw new Error(await errorMessage(res) + (res.status === 413 && holdsImages(body.messages) ? IMAGE_SIZE_HINT : ""));
       for await (const event of events(res)) {
         if (event.error) throw new Error(event.error.message || "server error");
         if (event.usage) usage = event.usage;
@@ -569,6 +625,9 @@
       state.messages.push(reply);
     } else if (finish === "error" && state.messages[state.messages.length - 1] === userMessage) {
       state.messages.pop();  // nothing came back: the next request should not carry this message twice
+      if (!state.attachments.length && attached.length) {  // its images back in the composer, to resend or remove
+        state.attachments = attached; showAttachments();
+      }
     }
     saveChat();
     $("input").focus();
@@ -576,10 +635,11 @@
 
   // ------------------------------------------------------------------ wiring
   function wire() {
-    $("composer").addEventListener("submit", (ev) => {
+    $("composer").addEventListener("submit", async (ev) => {
       ev.preventDefault();
+      await Promise.all(state.reading);  // images still being read go with this message
       const text = $("input").value.trim();
-      if (text) send(text);
+      if (text || state.attachments.length) send(text);
     });
     $("input").addEventListener("keydown", (ev) => {
       if (ev.key === "Enter" && !ev.shiftKey && !ev.isComposing) { ev.preventDefault(); $("composer").requestSubmit(); }
@@ -587,25 +647,39 @@
     $("stop").addEventListener("click", () => { if (state.controller) state.controller.abort(); });
     $("attach").addEventListener("click", () => $("image-input").click());
     $("image-input").addEventListener("change", () => {
-      for (const file of $("image-input").files) addImage(file);
-      $("image-input").value = "";
+      addImages(Array.from($("image-input").files));
+      $("image-input").value = "";  // the same file may be picked again
     });
+    // Pasted files are attached; pasted text still goes into the box (a copy with both keeps both).
     $("input").addEventListener("paste", (ev) => {
-      const files = Array.from(ev.clipboardData ? ev.clipboardData.items : []).filter((i) => i.kind === "file").map((i) => i.getAsFile());
-      if (files.length) { ev.preventDefault(); for (const f of files) if (f) addImage(f); }
+      const data = ev.clipboardData;
+      const files = Array.from(data ? data.items : []).filter((i) => i.kind === "file").map((i) => i.getAsFile());
+      if (!files.length) return;
+      if (!Array.from(data.types).includes("text/plain")) ev.preventDefault();
+      addImages(files);
     });
-    for (const target of [$("composer"), $("attachments")]) {
-      target.addEventListener("dragover", (ev) => { ev.preventDefault(); });
-      target.addEventListener("drop", (ev) => {
-        ev.preventDefault();
-        for (const f of (ev.dataTransfer ? ev.dataTransfer.files : [])) addImage(f);
-      });
-    }
+    // Files dropped anywhere on the page are attached (a browser would otherwise leave the page to show the
+    // file); dragged text keeps its usual way into the message box.
+    const carriesFiles = (ev) => ev.dataTransfer && Array.from(ev.dataTransfer.types).includes("Files");
+    let dragDepth = 0;
+    document.addEventListener("dragenter", (ev) => {
+      if (carriesFiles(ev)) { dragDepth++; document.body.classList.add("dropping"); }
+    });
+    document.addEventListener("dragleave", (ev) => {
+      if (carriesFiles(ev) && --dragDepth <= 0) { dragDepth = 0; document.body.classList.remove("dropping"); }
+    });
+    document.addEventListener("dragover", (ev) => { if (carriesFiles(ev)) ev.preventDefault(); });
+    document.addEventListener("drop", (ev) => {
+      dragDepth = 0; document.body.classList.remove("dropping");
+      if (!carriesFiles(ev)) return;
+      ev.preventDefault();
+      addImages(Array.from(ev.dataTransfer.files));
+    });
     $("new-chat").addEventListener("click", () => {
       if (state.controller) state.controller.abort();
       state.generation++;
       state.messages = []; saveChat();
-      state.attachments = []; showAttachments();
+      state.attachments = []; showAttachments(); $("attach-error").textContent = "";
       $("messages").replaceChildren(); $("empty-hint").hidden = false; $("stats").textContent = "";
     });
     $("toggle-settings").addEventListener("click", () => {
