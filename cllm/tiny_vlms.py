@@ -195,22 +195,30 @@ def _round_f16(model: Any, names: tuple[str, ...]) -> None:
                 p.copy_(p.to(torch.float16).to(torch.float32))
 
 
-def build_vlm(family: str, *, seed: int = 0):
-    """``family``'s tiny VLM, in memory, in eval mode (float32, seeded, vectors randomised)."""
+def _seeded_model(cls: Any, config: Any, seed: int) -> tuple[Any, Any]:
+    """``cls`` built from ``config`` under ``seed``, vectors randomised, and every matrix transformers initialises
+    to a constant (Gemma 3's mm_input_projection_weight is zeros) drawn from normal(0, INIT_RANGE), so that no
+    projector output is identically zero; also the generator, for the caller's own further draws."""
     import torch
 
-    config = vlm_config(family)
     torch.manual_seed(seed)
-    model = model_class(family)._from_config(config, dtype=torch.float32)
+    model = cls._from_config(config, dtype=torch.float32)
     _randomize_vectors(model, torch.Generator().manual_seed(seed + 1))
-    # Matrices transformers initialises to a constant (Gemma 3's mm_input_projection_weight is zeros) get
-    # normal(0, INIT_RANGE), so the projector output is not identically zero.
     g = torch.Generator().manual_seed(seed + 2)
     with torch.no_grad():
         for _, p in model.named_parameters():
             flat = p.reshape(-1)
             if p.dim() >= 2 and bool((flat == flat[0]).all()):
                 p.copy_(torch.randn(p.shape, generator=g) * INIT_RANGE)
+    return model, g
+
+
+def build_vlm(family: str, *, seed: int = 0):
+    """``family``'s tiny VLM, in memory, in eval mode (float32, seeded, vectors randomised)."""
+    import torch
+
+    config = vlm_config(family)
+    model, g = _seeded_model(model_class(family), config, seed)
     if family == "llava":
         # The legacy llava mmproj converter stores these in f16 (see the module docstring).
         _round_f16(model, ("multi_modal_projector.", "patch_embedding."))
@@ -410,15 +418,8 @@ def build_tiny_qwen2_5_vl(path: Path, *, seed: int = 0) -> Path:
     config = Qwen2_5_VLConfig(text_config=text, vision_config=vision, image_token_id=base.image_token_id,
                               video_token_id=base.video_token_id, vision_start_token_id=base.vision_start_token_id,
                               vision_end_token_id=base.vision_end_token_id, tie_word_embeddings=True)
-    torch.manual_seed(seed)
-    model = Qwen2_5_VLForConditionalGeneration._from_config(config, dtype=torch.float32)
-    _randomize_vectors(model, torch.Generator().manual_seed(seed + 1))
-    g = torch.Generator().manual_seed(seed + 2)
+    model, g = _seeded_model(Qwen2_5_VLForConditionalGeneration, config, seed)
     with torch.no_grad():
-        for _, p in model.named_parameters():
-            flat = p.reshape(-1)
-            if p.dim() >= 2 and bool((flat == flat[0]).all()):
-                p.copy_(torch.randn(p.shape, generator=g) * INIT_RANGE)
         model.get_input_embeddings().weight[text["pad_token_id"]].copy_(torch.randn(64, generator=g) * INIT_RANGE)
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)

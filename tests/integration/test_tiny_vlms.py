@@ -100,7 +100,7 @@ def mtmd_results() -> dict[str, dict]:
     for family in tv.VLM_FAMILIES:
         text, mmproj = _asset(family)
         if not (text.is_file() and mmproj.is_file()):
-            pytest.skip(f"missing test assets {text.name} / {mmproj.name}")
+            pytest.fail(f"missing test assets {text.name} / {mmproj.name} (committed under tests/assets/models)")
         out[family] = tv.mtmd_run(text, mmproj, tv.sample_image(family), None, decode=False)
     return out
 

@@ -377,8 +377,9 @@ class TorchBackend(Backend):
         flat = ids.tolist()  # one conversion, sliced per sequence (not one small array's tolist each)
         for c in chunks:
             tokens = flat[c.row_start : c.row_end]
-            if c.seq_id in self._images:
-                tokens = self._keys(c.seq_id, [0] * c.start_pos + tokens)[c.start_pos:]
+            spans = self._images.get(c.seq_id)
+            if spans and c.start_pos < spans[-1].end:  # (decodes past the last image: plain ids, no key list)
+                tokens = cache_keys([0] * c.start_pos + tokens, spans)[c.start_pos:]
             self.blocks.record_computed_of(c.blocks, c.start_pos, tokens)
         return logits
 
