@@ -131,7 +131,8 @@ class ServerConfig(_Section):
     accept_any_model: bool = Field(False, description="accept requests naming any model (llama-cpp-python's behaviour); false = an unknown model name is a 404 model_not_found")
     max_tokens_limit: int = Field(4096, ge=1, description="largest max_tokens a request may ask for")
     max_n: int = Field(8, ge=1, le=128, description="largest n a request may ask for")
-    max_body_bytes: int = Field(1 << 20, ge=1024, description="largest request body")
+    max_body_bytes: int | None = Field(None, ge=1024, description="largest request body; null = auto: 1 MiB while no loaded model takes images, 32 MiB while one does (photos arrive inline as base64)")
+    max_body_bytes_in_flight: int = Field(256 << 20, ge=1024, description="request bodies all connections together may hold while they are received and served; a body that would pass it gets 503 with Retry-After, so many large uploads at once cannot take the host's memory")
     max_sequences_per_request: int = Field(64, ge=1, le=1 << 16, description="most sequences (prompts x n) one request may queue; more is a 400, so one request cannot fill the waiting queue")
     max_sequences_per_client: int | None = Field(256, ge=1, description="most sequences one client (remote address) may have queued or running at once; beyond it 429 with Retry-After, so one client cannot fill max_waiting; None = no cap")
     max_compiles_per_client: int | None = Field(2, ge=1, description="cold grammar compiles (a new json_schema, grammar, regex or forced tool call) one client (remote address) may have running at once; beyond it 429 with Retry-After, so one client cannot occupy the compiler; None = no cap")
@@ -198,7 +199,7 @@ class ImageConfig(_Section):
     """Image inputs: how many, how large, and whether the server may fetch image URLs (cllm.multimodal)."""
 
     max_images_per_request: int = Field(8, ge=0, le=1024, description="most images one request (all its messages together) may carry; more is a 400; 0 = no images")
-    max_image_bytes: int = Field(20 << 20, ge=1024, le=1 << 30, description="largest encoded image (a data: URL's decoded bytes, a fetched body, a file); larger is a 400 naming the part. An image sent inline also counts toward max_body_bytes")
+    max_image_bytes: int = Field(20 << 20, ge=1024, le=1 << 30, description="largest encoded image (a data: URL's decoded bytes, a fetched body, a file); larger is a 400 naming the part. An image sent inline also counts toward max_body_bytes (auto: 32 MiB while a loaded model takes images)")
     max_image_pixels: int = Field(33_177_600, ge=1, le=1 << 27, description="largest width x height of an image (default 7680x4320, 8K), read from its header before it is decoded (decompression bombs); larger is a 400 naming the part")
     allow_image_urls: bool = Field(False, description="fetch http(s) image URLs in requests; false = only inline images (data: URLs, base64 sources), a URL is a 400 saying how to enable this")
     allow_private_image_urls: bool = Field(False, description="with allow_image_urls, also fetch from private, loopback, link-local and reserved addresses (every address the host resolves to is checked, redirects are re-checked); false keeps the server from being used to reach its own network")

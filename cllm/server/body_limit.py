@@ -1,13 +1,16 @@
-"""Refuse request bodies over ``max_body_bytes`` (413) or slower than ``body_read_timeout_s`` (408)
-before any handler parses them."""
+"""Refuse request bodies over ``max_body_bytes`` (413), slower than ``body_read_timeout_s`` (408), or
+beyond what all requests together may hold (``max_body_bytes_in_flight``: 503) before any handler parses them."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from cllm.server.errors import APIError
 
+TEXT_BODY_BYTES = 1 << 20  # server.max_body_bytes: auto, while no loaded model takes images
+IMAGE_BODY_BYTES = 32 << 20  # ... and while one does (a phone photo inline as base64 is several MiB)
 _NO_BODY_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "DELETE"})
 
 
@@ -19,61 +22,71 @@ class BodyLimitMiddleware:
     downstream ``receive`` intact for disconnect detection.
     """
 
-    def __init__(self, app: ASGIApp, max_bytes: int, timeout_s: float | None = None) -> None:
+    def __init__(self, app: ASGIApp, limit: Callable[[], int], in_flight_bytes: int, timeout_s: float | None = None) -> None:
         self.app = app
-        self.max_bytes = max_bytes
+        self.limit = limit  # one body's largest size, asked per request (auto: it grows while a model takes images)
+        self.in_flight_bytes = in_flight_bytes  # all bodies held at once: being received, or by requests being served
+        self.held = 0  # bytes of the bodies held now
         self.timeout_s = timeout_s  # the whole body must arrive within this (a slow drip holds a socket)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] in _NO_BODY_METHODS:
             await self.app(scope, receive, send)
             return
-        error = self._check_declared_length(scope)
-        body: bytes | None = None
-        if error is None:
-            try:
-                body, disconnected = await asyncio.wait_for(self._read_body(receive), self.timeout_s)
-            except asyncio.TimeoutError:
-                body, disconnected = None, False
-                error = APIError(408, f"request body not received within {self.timeout_s:g} s", code="body_timeout",
-                                 headers={"Connection": "close"})
-            if disconnected:
-                return  # the client left mid-upload; there is nobody to answer
-            if error is None and body is None:
-                error = self._too_large()
-        if error is not None:
-            await error.response()(scope, receive, send)
-            return
-        await self.app(scope, _replay(body or b"", receive), send)
+        limit = self.limit()
+        held = [0]  # what this request has added to self.held, given back in finally
+        try:
+            error = self._check_declared_length(scope, limit)
+            body: bytes | None = None
+            if error is None:
+                try:
+                    body, error = await asyncio.wait_for(self._read_body(receive, limit, held), self.timeout_s)
+                except asyncio.TimeoutError:
+                    error = APIError(408, f"request body not received within {self.timeout_s:g} s", code="body_timeout",
+                                     headers={"Connection": "close"})
+                if error is None and body is None:
+                    return  # the client left mid-upload; there is nobody to answer
+            if error is not None:
+                await error.response()(scope, receive, send)
+                return
+            await self.app(scope, _replay(body or b"", receive), send)
+        finally:
+            self.held -= held[0]
 
-    def _too_large(self) -> APIError:
-        return APIError(413, f"request body exceeds the server's limit of {self.max_bytes} bytes", code="request_too_large")
-
-    def _check_declared_length(self, scope: Scope) -> APIError | None:
+    def _check_declared_length(self, scope: Scope, limit: int) -> APIError | None:
         for name, value in scope.get("headers", ()):
             if name == b"content-length":
                 try:
                     declared = int(value)
                 except ValueError:
                     return APIError(400, "invalid Content-Length header")
-                return self._too_large() if declared > self.max_bytes else None
+                return _too_large(limit) if declared > limit else None
         return None
 
-    async def _read_body(self, receive: Receive) -> tuple[bytes | None, bool]:
-        """(body, client_disconnected); body None when it ran over the limit."""
+    async def _read_body(self, receive: Receive, limit: int, held: list[int]) -> tuple[bytes | None, APIError | None]:
+        """(body, None), or (None, the error) when it ran over a limit, or (None, None) when the client left.
+        Each chunk is counted in ``self.held`` (and ``held[0]``) as it arrives."""
         chunks: list[bytes] = []
-        size = 0
         while True:
             message = await receive()
             if message["type"] == "http.disconnect":
-                return None, True
+                return None, None
             chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > self.max_bytes:
-                return None, False
+            if held[0] + len(chunk) > limit:
+                return None, _too_large(limit)
+            if self.held + len(chunk) > self.in_flight_bytes:
+                return None, APIError(503, f"the server holds {self.held} bytes of request bodies, its limit "
+                                      f"(max_body_bytes_in_flight) is {self.in_flight_bytes}: retry shortly",
+                                      code="server_busy", headers={"Retry-After": "1"})
+            self.held += len(chunk)
+            held[0] += len(chunk)
             chunks.append(chunk)
             if not message.get("more_body", False):
-                return b"".join(chunks), False
+                return b"".join(chunks), None
+
+
+def _too_large(limit: int) -> APIError:
+    return APIError(413, f"request body exceeds the server's limit of {limit} bytes (max_body_bytes)", code="request_too_large")
 
 
 def _replay(body: bytes, receive: Receive) -> Receive:

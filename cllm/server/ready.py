@@ -6,6 +6,7 @@ import shlex
 from typing import Any
 
 from cllm.config import CllmConfig
+from cllm.server.body_limit import IMAGE_BODY_BYTES
 
 _ANY_ADDRESS = {"0.0.0.0", "::", "[::]", ""}
 
@@ -79,7 +80,9 @@ def ready_lines(config: CllmConfig, engine: Any, model: str, max_model_len: int)
         lines.append(f"  determinism: {determinism.text()}")
     vision = getattr(backend, "vision_text", None)
     if vision or getattr(engine, "supports_images", False):
-        lines.append(f"  images    : {vision or 'accepted'} (at most {config.images.max_images_per_request} a request)")
+        body = config.server.max_body_bytes or IMAGE_BODY_BYTES
+        lines.append(f"  images    : {vision or 'accepted'} (at most {config.images.max_images_per_request} a request,"
+                     f" request bodies up to {body >> 20} MiB)")
     if slots is not None:
         lines.append(f"  slots     : {slots} sequences at once, {max_model_len} tokens of context each")
     else:

@@ -123,7 +123,9 @@ async def engine_state(request: Request) -> dict[str, Any]:
             raise state._unavailable()
         return {"model": spec.name, "status": _info_of(state.router, spec.name).status, "phase": state.phase.value,
                 "models": models}
-    return {**_engine_report(engine, spec.name), "phase": state.phase.value, "models": models}
+    report = _engine_report(engine, spec.name)
+    report["images"]["max_body_bytes"] = state.max_body_bytes()  # what a request body may hold now (auto grows with images)
+    return {**report, "phase": state.phase.value, "models": models}
 
 
 def _engine_report(engine: Any, name: str) -> dict[str, Any]:

@@ -12,7 +12,9 @@ from typing import Any
 from starlette.requests import Request
 
 from cllm.config import CllmConfig, parse_keep_alive
+from cllm.multimodal import accepts_images
 from cllm.router import ModelNotFound, ModelSpec, ModelUnavailable, Router
+from cllm.server.body_limit import IMAGE_BODY_BYTES, TEXT_BODY_BYTES
 from cllm.server.client_quota import AdmissionPolicy, ClientQuota
 from cllm.server.errors import APIError
 from cllm.server.images import ImageMemory
@@ -77,6 +79,14 @@ class ServerState:
     def loaded(self) -> LoadedModel | None:
         """The default (first) model if it is loaded."""
         return self.router.served_of(None) if self.router is not None else None
+
+    def max_body_bytes(self) -> int:
+        """The largest request body now: ``server.max_body_bytes``, or when it is null 1 MiB, and 32 MiB while
+        a loaded model takes images (a phone photo inline as base64 is several MiB)."""
+        if self.config.server.max_body_bytes is not None:
+            return self.config.server.max_body_bytes
+        takes_images = self.router is not None and any(accepts_images(engine) for _, engine in self.router.loaded())
+        return IMAGE_BODY_BYTES if takes_images else TEXT_BODY_BYTES
 
     def engine_stats(self) -> list[tuple[str, Any]]:
         """(model name, engine stats) of every loaded model."""

@@ -469,6 +469,8 @@ def test_routing_errors_and_body_limit(server: ServerProcess) -> None:
         assert_error(client.get("/v1/nothing-here"), 404)
         big = {"prompt": "x" * (2 << 20)}
         assert_error(client.post("/v1/completions", json=big), 413, code="request_too_large")
+        # max_body_bytes: auto is 1 MiB on a server whose model takes no images
+        assert client.get("/v1/engine").json()["images"]["max_body_bytes"] == 1 << 20
     with pytest.raises(openai.NotFoundError):
         server.openai().completions.create(model="gpt-4", prompt="x")
 

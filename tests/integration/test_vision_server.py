@@ -10,8 +10,10 @@ import io
 from pathlib import Path
 
 import anthropic
+import numpy as np
 import openai
 import pytest
+from PIL import Image
 
 from cllm import tiny_vlms as tv
 from cllm.stress.server_process import ServerProcess, finish_server, start_server
@@ -110,9 +112,22 @@ def test_too_many_images_is_a_400(server: ServerProcess):
     assert "max_images_per_request" in str(caught.value)
 
 
+def test_an_inline_photo_past_a_text_servers_body_limit_is_served(server: ServerProcess):
+    pixels = np.random.default_rng(0).integers(0, 256, size=(720, 720, 3), dtype=np.uint8)  # noise: PNG cannot shrink it
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, format="PNG")
+    photo = base64.b64encode(buffer.getvalue()).decode()
+    assert len(photo) > 1 << 20  # a text-only server's auto limit (1 MiB) would answer 413
+    with server.http() as http:
+        reply = http.post("/v1/chat/completions", json={"model": MODEL, "max_tokens": 2, "messages": [
+            {"role": "user", "content": [{"type": "text", "text": "hi"},
+                                         {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{photo}"}}]}]})
+    assert reply.status_code == 200 and reply.json()["usage"]["prompt_tokens"] > 1
+
+
 def test_a_flood_of_images_past_the_memory_budget_gets_429_then_passes():
     srv = start_server("--model", str(ASSETS / f"{MODEL}.gguf"), "--n-seq-max", "2", "--n-ctx", "1024",
-                       "--speculative", "off", "--set", "image_memory_mib=1", "--set", "max_body_bytes=4000000")
+                       "--speculative", "off", "--set", "image_memory_mib=1")  # max_body_bytes: auto (32 MiB)
     try:
         buffer = io.BytesIO()
         tv.sample_image("gemma3").resize((640, 640)).save(buffer, format="PNG")  # 1.2 MB decoded
@@ -138,5 +153,8 @@ def test_a_flood_of_images_past_the_memory_budget_gets_429_then_passes():
 def test_engine_report_and_ready_block_say_images(server: ServerProcess):
     with server.http() as http:
         report = http.get("/v1/engine").json()
-    assert report["images"] == {"accepted": True, "encoder": "libmtmd, projector mmproj-tiny-gemma3-f32.gguf"}
-    assert "images    : libmtmd, projector mmproj-tiny-gemma3-f32.gguf (at most 8 a request)" in server.log_text()
+    # max_body_bytes: auto is 32 MiB while a model takes images (1 MiB on a text-only server: test_server.py)
+    assert report["images"] == {"accepted": True, "encoder": "libmtmd, projector mmproj-tiny-gemma3-f32.gguf",
+                                "max_body_bytes": 32 << 20}
+    assert ("images    : libmtmd, projector mmproj-tiny-gemma3-f32.gguf (at most 8 a request, request bodies up to"
+            " 32 MiB)") in server.log_text()
