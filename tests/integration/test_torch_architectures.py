@@ -60,6 +60,13 @@ def test_matches_transformers(arch: str, impl: str, built: dict[str, Path],
                               tmp_path_factory: pytest.TempPathFactory) -> None:
     path = _model_dir(built, arch, tmp_path_factory)
     reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    check_against_transformers(arch, impl, path, reference)
+
+
+def check_against_transformers(arch: str, impl: str, path: Path, reference: torch.nn.Module) -> TorchBackend:
+    """Serve the model directory ``path`` on TorchBackend (float32, CPU, ``model_impl`` ``impl``), drive it
+    as described above and compare every row and greedy token with ``reference`` (transformers' model of
+    the same weights, float32); the backend, for further checks."""
     backend = TorchBackend(load_config(environ={}, backend="torch", model=str(path), dtype="float32", device="cpu",
                                        block_size=BLOCK, n_ctx=256, n_seq_max=8, n_threads=2, model_impl=impl))
     expected_impl = "native" if impl == "auto" and arch in NATIVE else ("transformers" if impl == "transformers" else None)
@@ -124,6 +131,7 @@ def test_matches_transformers(arch: str, impl: str, built: dict[str, Path],
             excused += 1
             break  # a near tie: the continuations may differ from here on
     assert excused <= 1, f"{arch}: {excused} of 3 generations met a near tie; the model's logits are too flat to test"
+    return backend
 
 
 GGUF = Path(__file__).resolve().parent.parent / "assets" / "models" / "tiny-gemma3-text-q8_0.gguf"

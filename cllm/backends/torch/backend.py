@@ -89,7 +89,7 @@ class TorchBackend(Backend):
             check_startup_free(cuda_memory(self.device), config.torch.gpu_memory_utilization)
         # model.deterministic on a CPU: fixed-kernel linears, tiled attention, vector-only activations (invariant.py)
         self._invariant = config.model.deterministic and self.device.type == "cpu"
-        loaded = load_model(resolve_model_path(config.model.model), config.torch.model_impl)
+        loaded = load_model(resolve_model_path(config.model.model), config.torch.model_impl, self.dtype)
         self.model: CausalLM | TransformersCausalLM
         if loaded.hf_model is not None:  # the generic path: transformers' model code over our pool
             self.model_impl = "transformers"

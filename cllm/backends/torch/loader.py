@@ -2,7 +2,9 @@
 decoder (model.py) as a spec and a state dict, or as a transformers model for the generic path
 (hf_model.py), as model_impl.choose_impl decides.
 
-HF directory: ``config.json`` plus ``*.safetensors`` (or ``pytorch_model*.bin``).
+HF directory: ``config.json`` plus ``*.safetensors`` (or ``pytorch_model*.bin``). A checkpoint whose
+experts are stored in MXFP4 (gpt-oss as published: ``quantization_config.quant_method`` ``mxfp4``) is
+dequantized at load by transformers' own MXFP4 loader, into the dtype the backend runs in.
 GGUF: transformers' GGUF loader dequantizes it into a ``*ForCausalLM`` whose
 config and state dict we take over; the llama.cpp Q/K row permutation is undone
 there, so the same file runs on both backends.
@@ -146,18 +148,19 @@ def _rope_spec(config: Any) -> RopeSpec:
     )
 
 
-def load_model(path: Path, model_impl: str = "auto") -> LoadedModel:
-    """Load a GGUF file or an HF model directory (dequantized to float32 tensors), for the native
+def load_model(path: Path, model_impl: str = "auto", dtype: torch.dtype = torch.float32) -> LoadedModel:
+    """Load a GGUF file (dequantized to float32 tensors) or an HF model directory, for the native
     decoder or, as ``model_impl`` and the architecture decide (model_impl.choose_impl), as a
-    transformers model for the generic path."""
+    transformers model for the generic path. ``dtype``: what an HF directory's transformers model is
+    built in (the backend's dtype, so that a large checkpoint is never held in float32 on the way)."""
     if path.is_dir():
-        return _load_hf_dir(path, model_impl)
+        return _load_hf_dir(path, model_impl, dtype)
     if path.suffix.lower() == ".gguf":
         return _load_gguf(path, model_impl)
     raise ValueError(f"model path {str(path)!r} is neither a .gguf file nor a Hugging Face model directory")
 
 
-def _load_hf_dir(path: Path, model_impl: str) -> LoadedModel:
+def _load_hf_dir(path: Path, model_impl: str, dtype: torch.dtype) -> LoadedModel:
     from cllm.backends.torch.vision import is_vision_config
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -183,8 +186,23 @@ def _load_hf_dir(path: Path, model_impl: str) -> LoadedModel:
     if choose_impl(model_impl, config) == "native":
         return LoadedModel(spec_from_config(config), _read_tensors(path), path, None, eos)
     register_attention()
-    hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=ATTENTION_NAME)
+    hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=ATTENTION_NAME,
+                                                    **_dequantizing(raw))
     return LoadedModel(None, {}, path, None, eos, hf_model.eval())
+
+
+def _dequantizing(raw: dict[str, Any]) -> dict[str, Any]:
+    """``from_pretrained`` settings that dequantize an MXFP4 checkpoint at load, into the ``dtype`` it is
+    given (exactly in float32 and bfloat16: an FP4 value has two significant bits, its scale is a power of
+    two within their exponent range). Left to itself transformers would, on a GPU with Triton and the
+    ``kernels`` package, swap the experts for a packed module running kernels fetched from the hub, one
+    that ``.to(dtype)`` cannot convert. Nothing for an unquantized checkpoint."""
+    method = (raw.get("quantization_config") or {}).get("quant_method")
+    if method != "mxfp4":
+        return {}
+    from transformers import Mxfp4Config
+
+    return {"quantization_config": Mxfp4Config(dequantize=True)}
 
 
 def _load_vision_model(path: Path, config: Any, model_impl: str, eos: tuple[int, ...]) -> LoadedModel:

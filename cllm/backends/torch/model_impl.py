@@ -44,6 +44,11 @@ def refuse_unservable(model_type: str | None, raw: dict[str, Any] | None = None)
 def native_refusal(config: Any) -> str | None:
     """Why the native decoder cannot run this transformers config exactly; None if it can."""
     arch = getattr(config, "model_type", None)
+    quantization = getattr(config, "quantization_config", None)
+    if quantization:  # the native decoder reads float weights; transformers' loader dequantizes these
+        method = (quantization.get("quant_method") if isinstance(quantization, dict)
+                  else getattr(quantization, "quant_method", quantization))
+        return f"its weights are quantized (quant_method {method})"
     if arch in _LAYERED_WINDOWS and getattr(config, "use_sliding_window", False):
         return f"{arch} with use_sliding_window windows some layers only"
     layer_types = set(getattr(config, "layer_types", None) or ())
