@@ -14,7 +14,8 @@ ignored; tokens/s = C * tokens / wall time (prefill included):
   prompts, ``min_new_tokens`` = ``max_new_tokens`` (its experts implementation,
   e.g. grouped_mm, is named in the table).
 
-Both run float32 on the same ``--threads``. Best of ``--repeats`` per cell; each
+Both run in ``--dtype`` (float32, or bfloat16: what MoE checkpoints ship in, and cllm's default on a
+CPU with native bf16 matmul) on the same ``--threads``. Best of ``--repeats`` per cell; each
 repeat uses fresh prompts so no prefix cache serves one repeat from another.
 
     .venv/bin/python benchmarks/torch_moe.py --threads 2 --levels 1 16 --tokens 32 \\
@@ -97,11 +98,13 @@ def best_rate(run: Runner, level: int, args: argparse.Namespace) -> float:
 
 
 def cllm_runner(args: argparse.Namespace, path: Path) -> tuple[str, Runner]:
-    settings: dict[str, Any] = dict(backend="torch", dtype="float32", linear_weights=args.linear_weights,
+    settings: dict[str, Any] = dict(backend="torch", dtype=args.dtype, linear_weights=args.linear_weights,
                                     device="cpu", n_threads=args.threads, n_seq_max=max(args.levels),
                                     n_ctx=max(args.levels) * (args.prompt_tokens + args.tokens + 64))
     if args.model_impl:
         settings["model_impl"] = args.model_impl
+    if args.moe_dense_decode:
+        settings["moe_dense_decode"] = args.moe_dense_decode
     llm = cllm.LLM(model=str(path), **settings)
 
     def run(prompts: list[list[int]], tokens: int) -> int:
@@ -111,14 +114,16 @@ def cllm_runner(args: argparse.Namespace, path: Path) -> tuple[str, Runner]:
     run([[5, 6, 7]], 4)  # warm-up
     impl = getattr(llm.engine.backend, "model_impl", "native")
     weights = ", float16 weights" if llm.engine.backend.fp16_weights else ""
-    return f"cllm torch ({impl}{weights})", run
+    sparse = [layer.moe for layer in getattr(llm.engine.backend.model, "layers", ()) if layer.moe is not None]
+    dense = f", dense experts to {sparse[0].dense_max_tokens} tokens" if sparse and sparse[0].dense is not None else ""
+    return f"cllm torch ({impl}{weights}{dense})", run
 
 
 def hf_runner(args: argparse.Namespace, path: Path) -> tuple[str, Runner]:
     from transformers import AutoModelForCausalLM
 
     kwargs = {"experts_implementation": args.hf_experts} if args.hf_experts else {}
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, **kwargs).eval()
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=getattr(torch, args.dtype), **kwargs).eval()
     pad = 2
 
     def run(prompts: list[list[int]], tokens: int) -> int:
@@ -150,10 +155,12 @@ def main() -> None:
     parser.add_argument("--levels", type=int, nargs="+", default=[1, 16], help="concurrent sequences")
     parser.add_argument("--tokens", type=int, default=32, help="tokens generated per sequence")
     parser.add_argument("--prompt-tokens", type=int, default=16, help="random prompt length")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="compute dtype of both runners")
     parser.add_argument("--threads", type=int, default=2, help="CPU threads for both runners")
     parser.add_argument("--repeats", type=int, default=2, help="runs per cell; the best is reported")
     parser.add_argument("--linear-weights", default="dtype", help="cllm torch linear_weights (dtype|float16|auto)")
     parser.add_argument("--model-impl", default=None, help="cllm torch model_impl (native|transformers|auto)")
+    parser.add_argument("--moe-dense-decode", default=None, help="cllm torch moe_dense_decode (auto|on|off)")
     parser.add_argument("--hf-experts", default=None, help="transformers experts_implementation (eager|grouped_mm|...)")
     parser.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
@@ -172,7 +179,7 @@ def main() -> None:
 def report(args: argparse.Namespace, table: dict[str, list[float]]) -> None:
     shape = (f"{args.arch}: hidden {args.hidden}, {args.layers} layers, {args.experts} experts top {args.top_k}, "
              f"expert width {args.moe_intermediate}, heads {args.heads}/{args.kv_heads}, vocab {VOCAB}")
-    print(f"decode tokens/s, {shape}; float32 CPU, {args.threads} threads, {args.prompt_tokens}-token prompts, "
+    print(f"decode tokens/s, {shape}; {args.dtype} CPU, {args.threads} threads, {args.prompt_tokens}-token prompts, "
           f"{args.tokens} tokens per sequence, best of {args.repeats}")
     width = max(map(len, table)) + 2
     print("runner".ljust(width) + "".join(f"{f'C={c}':>10}" for c in args.levels))

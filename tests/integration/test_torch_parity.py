@@ -384,6 +384,32 @@ def test_moe_routing_differs_per_token(moe_model: tuple[str, torch.nn.Module, Pa
         assert len({tuple(sorted(row)) for row in experts.tolist()}) >= 3
 
 
+@pytest.mark.parametrize("dense", ["off", "forced"])
+def test_moe_dense_decode_matches_transformers(
+    moe_model: tuple[str, torch.nn.Module, Path], dense: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torch.moe_dense_decode: batches that reach most experts run as two GEMMs over all of them (forced here
+    at every batch size; at load it is timed) and agree with transformers as the per-expert loop does."""
+    _, model, path = moe_model
+    backend = _backend(path, moe_dense_decode="on" if dense == "forced" else "off")
+    sparse = [w.moe for w in backend.model.layers if w.moe is not None]
+    assert all((m.dense is not None) == (dense == "forced") for m in sparse)
+    for m in sparse:
+        m.dense_max_tokens = 1 << 30 if dense == "forced" else 0
+    ran: list[int] = []
+    dense_cpu = moe._dense_cpu
+    monkeypatch.setattr(moe, "_dense_cpu", lambda h, *rest: ran.append(h.shape[0]) or dense_cpu(h, *rest))
+    rng = np.random.default_rng(3)
+    d = Driver(backend)
+    for seq, n in (("a", 9), ("b", 14), ("c", 6), ("e", 11)):
+        d.admit(seq, rng.integers(0, 300, size=n).tolist())
+    d.step({"a": 9, "b": 14, "c": 6, "e": 11})
+    for _ in range(5):
+        d.step({"a": 0, "b": 0, "c": 0, "e": 0})  # 4 tokens x top 2 = 8 experts: all of them reachable
+    assert _assert_matches_reference(model, d) == 24
+    assert bool(ran) == (dense == "forced") and (not ran or min(ran) == 4)
+
+
 def test_moe_stacked_and_per_expert_layouts_load_alike(moe_model: tuple[str, torch.nn.Module, Path]) -> None:
     """transformers >= 5 holds experts stacked (``experts.gate_up_proj``; what a GGUF load hands us) but saves
     them per expert (what test_mixed_batches loads): both layouts must give the same model."""

@@ -33,6 +33,7 @@ def _weights(renormalize: bool = True) -> moe.MoEWeights:
                      device=torch.device("cpu"), prepack=True, fp16_weights=False)
     w.gate_up, w.down = moe.stacked_experts(state, moe.moe_tensor_names(state, "p.", E), E)
     w.expert_ids = torch.arange(E)
+    w.dense = moe.dense_weights(w.gate_up, w.down, prepack=True)
     return w
 
 
@@ -56,7 +57,7 @@ def _grouped_mm_runs_on_cpu() -> bool:
     return True
 
 
-@pytest.mark.parametrize("path", ["looped", "grouped", "dense"])
+@pytest.mark.parametrize("path", ["looped", "grouped", "dense", "dense_cpu"])
 @pytest.mark.parametrize("tokens", [1, 3, 40])
 def test_expert_paths_match_the_per_token_reference(path: str, tokens: int) -> None:
     if path == "grouped" and not _grouped_mm_runs_on_cpu():
@@ -66,7 +67,8 @@ def test_expert_paths_match_the_per_token_reference(path: str, tokens: int) -> N
     weights, experts = moe.route(h, w.router, w.top_k, w.renormalize)
     if tokens == 40:  # some experts get several tokens, and the test would prove little if all went to one
         assert len(set(experts.reshape(-1).tolist())) >= 4
-    got = {"looped": moe._looped, "grouped": moe._grouped, "dense": moe._dense}[path](h, w, weights, experts)
+    paths = {"looped": moe._looped, "grouped": moe._grouped, "dense": moe._dense, "dense_cpu": moe._dense_cpu}
+    got = paths[path](h, w, weights, experts)
     torch.testing.assert_close(got, _reference(h, w), atol=1e-5, rtol=1e-5)
 
 
@@ -78,6 +80,44 @@ def test_moe_forward_runs_the_loop_on_cpu_and_grouped_when_told() -> None:
     if _grouped_mm_runs_on_cpu():
         w.grouped = True
         torch.testing.assert_close(moe.moe_forward(h, w), _reference(h, w), atol=1e-5, rtol=1e-5)
+
+
+def test_cpu_dense_path_runs_for_batches_that_reach_most_experts(monkeypatch: pytest.MonkeyPatch) -> None:
+    w = _weights()
+    ran: list[int] = []
+    dense = moe._dense_cpu
+    monkeypatch.setattr(moe, "_dense_cpu", lambda h, *rest: ran.append(h.shape[0]) or dense(h, *rest))
+    w.dense_max_tokens = 8
+    for tokens in (1, 2, 3, 8, 9):  # E = 6, top 2: from 3 tokens on, up to dense_max_tokens
+        h = torch.randn(tokens, H, generator=torch.Generator().manual_seed(tokens))
+        torch.testing.assert_close(moe.moe_forward(h, w), _reference(h, w), atol=1e-5, rtol=1e-5)
+    assert ran == [3, 8]
+    w.dense = None  # moe_dense_decode off: the loop only
+    moe.moe_forward(torch.randn(4, H), w)
+    assert ran == [3, 8]
+
+
+def test_dense_max_tokens_is_a_timed_power_of_two() -> None:
+    w = _weights()
+    got = moe.dense_max_tokens(w, torch.float32, limit=64, repeats=1)
+    assert got in (0, 4, 8, 16, 32, 64)  # from the first batch with T * top_k >= E (3 -> 4)
+
+
+def test_moe_dense_decode_setting_and_its_memory_rule(monkeypatch: pytest.MonkeyPatch) -> None:
+    from cllm.backends.torch.device import resolve_moe_dense
+
+    spec = spec_from_config(Qwen3MoeConfig(vocab_size=64, hidden_size=32, num_hidden_layers=4, num_attention_heads=4,
+                                           num_key_value_heads=2, moe_intermediate_size=16, num_experts=8,
+                                           num_experts_per_tok=2, mlp_only_layers=[0]))
+    cpu, copy = torch.device("cpu"), 3 * 8 * 3 * 32 * 16 * 4  # 3 sparse layers, 8 experts, float32
+    monkeypatch.setattr("os.sysconf", lambda name: {"SC_PAGE_SIZE": 1, "SC_PHYS_PAGES": 8 * copy}[name])
+    assert resolve_moe_dense("auto", spec, 4, cpu) and resolve_moe_dense("on", spec, 4, cpu)
+    assert not resolve_moe_dense("auto", spec, 8, cpu)  # the copy would pass 1/8 of the host's memory
+    assert resolve_moe_dense("on", spec, 8, cpu) and not resolve_moe_dense("off", spec, 4, cpu)
+    assert not resolve_moe_dense("on", spec, 4, torch.device("meta"))  # CPU only
+    dense_spec = spec_from_config(Qwen3MoeConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                                 num_key_value_heads=2, num_experts=0))
+    assert not resolve_moe_dense("on", dense_spec, 4, cpu)
 
 
 def test_route_softmax_top_k_and_renormalisation() -> None:

@@ -29,7 +29,7 @@ from cllm.backends.torch.attention import (
 from cllm.backends.torch.block_manager import BlockManager, SequenceBlocks
 from cllm.backends.torch.compile_errors import is_compile_error
 from cllm.backends.torch.cuda_graphs import DecodeGraphs, graph_buckets
-from cllm.backends.torch.device import resolve_device, resolve_dtype, resolve_fp16_weights
+from cllm.backends.torch.device import resolve_device, resolve_dtype, resolve_fp16_weights, resolve_moe_dense
 from cllm.backends.torch.embedding import pooled_hidden_states
 from cllm.backends.torch.flex import flex_function
 from cllm.backends.torch.kv_cache import KVCacheShape, PagedKVCache
@@ -37,6 +37,7 @@ from cllm.backends.torch.loader import LoadedModel, ModelSpec, load_model
 from cllm.backends.torch.memory import activation_bytes, check_startup_free, cuda_memory, kv_bytes_per_token, size_kv_pool
 from cllm.backends.torch.hf_model import TransformersCausalLM, generic_spec
 from cllm.backends.torch.model import CausalLM
+from cllm.backends.torch.moe import MoEWeights
 from cllm.backends.torch.tokenizer import HFTokenizer
 from cllm.backends.torch.transfer import to_device
 from cllm.backends.torch.vision import TorchVision
@@ -104,8 +105,12 @@ class TorchBackend(Backend):
             self.model = CausalLM(
                 loaded.spec, loaded.state_dict, dtype=self.dtype, device=self.device,
                 compiled=config.torch.torch_compile and not self._invariant, fp16_weights=self.fp16_weights,
-                pad_rows=self._invariant,
+                pad_rows=self._invariant, moe_dense=resolve_moe_dense(
+                    config.torch.moe_dense_decode, loaded.spec, 2 if self.fp16_weights else self.dtype.itemsize, self.device),
             )
+        sparse = [layer.moe for layer in getattr(self.model, "layers", ()) if layer.moe is not None]
+        if sparse and self.device.type == "cpu":
+            log.info("MoE experts on CPU: %s (torch.moe_dense_decode %s)", _moe_text(sparse[0]), config.torch.moe_dense_decode)
         self._tokenizer = _load_tokenizer(loaded, self.spec.vocab_size, config.model.chat_template)
         # A vision-language checkpoint: the processor and the vision tower (vision.py)
         self._vision = TorchVision.load(self.model.hf, loaded.tokenizer_dir, device=self.device, dtype=self.dtype) \
@@ -830,6 +835,17 @@ def _step_limits(config: CllmConfig, device: torch.device) -> tuple[int, int]:
     if device.type == "cuda":
         return t.gpu_n_seq_max or n_seq_max, t.gpu_n_batch or m.n_batch
     return n_seq_max, m.n_batch
+
+
+def _moe_text(moe: MoEWeights) -> str:
+    """How a CPU runs the sparse layers' experts, for the load log."""
+    if moe.dense is None:
+        return "a matmul per expert hit"
+    if not moe.dense_max_tokens:
+        return "a matmul per expert hit (the dense copy was never faster when timed at load)"
+    first = -(-len(moe.experts) // moe.top_k)
+    return (f"batches of {first}-{moe.dense_max_tokens} tokens as two GEMMs over all experts (a second copy of them),"
+            " others a matmul per expert hit")
 
 
 def _usable_cores() -> int:

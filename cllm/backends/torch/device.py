@@ -1,9 +1,12 @@
 """Device and dtype from config: CUDA in bfloat16 when present, else CPU."""
 from __future__ import annotations
 
+import os
+
 import torch
 
 from cllm.backends.torch.linear import fp16_linear_works, packing_works
+from cllm.backends.torch.loader import ModelSpec
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -72,3 +75,15 @@ def resolve_fp16_weights(setting: str, dtype_setting: str, dtype: torch.dtype, d
     if setting == "auto":
         return usable and dtype_setting == "auto" and fp16_linear_works()
     return False
+
+
+def resolve_moe_dense(setting: str, spec: ModelSpec, element_bytes: int, device: torch.device) -> bool:
+    """Whether sparse layers keep the CPU dense path's second copy of their experts (``torch.moe_dense_decode``):
+    ``on`` on a CPU, ``auto`` when that copy (``element_bytes`` a weight) takes at most 1/8 of the host's memory."""
+    if setting == "off" or device.type != "cpu" or not spec.num_experts:
+        return False
+    if setting == "on":
+        return True
+    sparse_layers = sum(spec.moe_layers)
+    copy_bytes = sparse_layers * spec.num_experts * 3 * spec.hidden_size * spec.moe_intermediate_size * element_bytes
+    return copy_bytes * 8 <= os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

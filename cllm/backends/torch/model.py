@@ -23,7 +23,7 @@ from cllm.backends.torch.invariant import elementwise
 from cllm.backends.torch.kv_cache import PagedKVCache
 from cllm.backends.torch.linear import Linear
 from cllm.backends.torch.loader import ModelSpec, RopeSpec
-from cllm.backends.torch.moe import MoEWeights, load_moe, moe_forward, moe_tensor_names
+from cllm.backends.torch.moe import MoEWeights, dense_max_tokens, load_moe, moe_forward, moe_tensor_names
 
 
 def rope_inv_freq(rope: RopeSpec, head_dim: int) -> torch.Tensor:
@@ -101,9 +101,10 @@ class CausalLM:
 
     def __init__(
         self, spec: ModelSpec, state: dict[str, torch.Tensor], *, dtype: torch.dtype, device: torch.device,
-        compiled: bool = False, fp16_weights: bool = False, pad_rows: bool = False,
+        compiled: bool = False, fp16_weights: bool = False, pad_rows: bool = False, moe_dense: bool = False,
     ) -> None:
-        """``pad_rows``: model.deterministic's fixed-kernel linears (linear.py)."""
+        """``pad_rows``: model.deterministic's fixed-kernel linears (linear.py); ``moe_dense``: sparse layers
+        also keep the CPU dense path's copy of their experts (torch.moe_dense_decode, moe.py)."""
         self.spec = spec
         for name in ("model.embed_tokens.weight", "model.norm.weight"):
             if name not in state:
@@ -121,9 +122,14 @@ class CausalLM:
                               prepack=prepack, fp16_weights=fp16_weights, pad_rows=pad_rows)
         self.layers = [
             _layer_weights(spec, state, f"model.layers.{i}.", dtype, device, prepack, fp16_weights, pad_rows,
-                           sparse=bool(spec.moe_layers) and spec.moe_layers[i])
+                           sparse=bool(spec.moe_layers) and spec.moe_layers[i], moe_dense=moe_dense)
             for i in range(spec.num_layers)
         ]
+        sparse = [layer.moe for layer in self.layers if layer.moe is not None and layer.moe.dense is not None]
+        if sparse:  # every sparse layer has the same shapes: time dense against the loop once, on the first
+            limit = dense_max_tokens(sparse[0], dtype)
+            for layer_moe in sparse:
+                layer_moe.dense_max_tokens = limit
         # Every layer's sliding window (Mistral v0.1), set by the backend when it is shorter than the
         # context (a window the context never passes is full attention); None: full attention.
         self.window: int | None = None
@@ -167,7 +173,7 @@ def _plain(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch
 
 def _layer_weights(
     spec: ModelSpec, state: dict[str, torch.Tensor], prefix: str, dtype: torch.dtype, device: torch.device,
-    prepack: bool, fp16_weights: bool, pad_rows: bool, *, sparse: bool,
+    prepack: bool, fp16_weights: bool, pad_rows: bool, *, sparse: bool, moe_dense: bool = False,
 ) -> LayerWeights:
     """One layer's HF tensors, fused (q|k|v, gate|up), cast and moved; absent biases stay None.
     A ``sparse`` layer gets a MoE block (router and stacked experts) in place of the dense MLP."""
@@ -194,7 +200,7 @@ def _layer_weights(
     if sparse:
         moe = load_moe(state, prefix, num_experts=spec.num_experts, top_k=spec.num_experts_per_tok,
                        renormalize=spec.norm_topk_prob, dtype=dtype, device=device, prepack=prepack,
-                       fp16_weights=fp16_weights, pad_rows=pad_rows)
+                       fp16_weights=fp16_weights, pad_rows=pad_rows, dense=moe_dense)
     else:
         gate_up = linear(fused(mlp + "gate_proj.weight", mlp + "up_proj.weight"), fused(mlp + "gate_proj.bias", mlp + "up_proj.bias"))
         down = linear(get(mlp + "down_proj.weight"), get(mlp + "down_proj.bias"))

@@ -16,7 +16,7 @@ Routing is transformers': softmax of the expert logits in float32, top-k, the
 k weights renormalised to sum to 1 when the model says so (Mixtral always,
 Qwen3-MoE when ``norm_topk_prob``), then cast to the compute dtype.
 
-Three ways to run the experts over the (token, expert) pairs sorted by expert:
+Four ways to run the experts (the first three over the (token, expert) pairs sorted by expert):
 
 - looped (CPU; CUDA prefill without a usable ``_grouped_mm``): one gate|up and
   one down matmul per expert that received tokens, over per-expert linears
@@ -30,7 +30,17 @@ Three ways to run the experts over the (token, expert) pairs sorted by expert:
   captured in a CUDA graph;
 - dense (CUDA without it: captured steps and small batches): every expert on
   every row, combined by a ``[T, E]`` matrix that is zero off the top-k. E/k
-  times the FLOPs, but fixed shapes and a handful of kernels.
+  times the FLOPs, but fixed shapes and a handful of kernels;
+- dense on CPU (``torch.moe_dense_decode``): the same arithmetic as two prepacked GEMMs over every
+  expert's weights concatenated (gate|up ``[E*2I, H]``, down ``[H, E*I]``), a second copy of the experts
+  kept beside the loop's. The loop pays ~14 us of oneDNN dispatch per call and streams each small
+  matmul at 12-14 GB/s, so once a batch reaches most experts one big GEMM is cheaper; for a few tokens
+  the loop, reading only the experts hit, stays faster. A batch runs densely when ``T * top_k >= E``
+  (most experts hit) and ``T <= dense_max_tokens``, the largest batch at which dense beat the loop
+  when timed at load on this machine (:func:`dense_max_tokens`). Measured on a 2-core AVX-512 EPYC,
+  one layer of 64 experts, hidden 512, width 256, top 8 (``benchmarks/moe_layer.py``): at 16 tokens
+  loop 9.6 / dense 7.2 ms in float32, 9.0 / 3.6 ms in bfloat16; at one token the loop's 0.9 ms against
+  dense 4.6 (float32) and 2.0 (bfloat16).
 
 Measured on an H200 (torch 2.11, bfloat16), one Qwen3-30B-A3B-shaped layer (128
 experts, hidden 2048, expert width 768, top 8), CUDA-graph replay per step:
@@ -40,6 +50,7 @@ grouped 109 / 276 / 484 / 548 us at 1 / 8 / 32 / 256 tokens, dense 318 / 331 /
 """
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache, partial
@@ -71,6 +82,8 @@ class MoEWeights:
     renormalize: bool  # top-k weights rescaled to sum to 1
     grouped: bool  # torch._grouped_mm runs, agrees and can be captured on this device and dtype
     act: Callable[[torch.Tensor], torch.Tensor] = F.silu  # the experts' activation (CPU loop; see model.LayerWeights)
+    dense: tuple[Linear, Linear] | None = None  # CPU moe_dense_decode: all experts' gate|up [E*2I, H] and down [H, E*I]
+    dense_max_tokens: int = 0  # CPU: batches of up to this many tokens that reach most experts run densely
 
 
 # Not traced by torch.compile (torch_compile): the loop's host-side row counts would specialise the compiled
@@ -83,6 +96,8 @@ def moe_forward(h: torch.Tensor, w: MoEWeights) -> torch.Tensor:
         return _grouped(h, w, weights, experts)
     if h.device.type == "cuda" and (h.shape[0] <= DENSE_MAX_TOKENS or torch.cuda.is_current_stream_capturing()):
         return _dense(h, w, weights, experts)
+    if w.dense is not None and len(w.experts) <= h.shape[0] * w.top_k and h.shape[0] <= w.dense_max_tokens:
+        return _dense_cpu(h, w, weights, experts)
     return _looped(h, w, weights, experts)
 
 
@@ -136,6 +151,59 @@ def _dense(h: torch.Tensor, w: MoEWeights, weights: torch.Tensor, experts: torch
     gate, up = torch.matmul(h, w.gate_up.transpose(1, 2)).chunk(2, dim=-1)  # [E, T, I] each
     y = torch.matmul(F.silu(gate) * up, w.down.transpose(1, 2))  # [E, T, H]
     return torch.einsum("te,eth->th", combine, y)
+
+
+def _dense_cpu(h: torch.Tensor, w: MoEWeights, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+    assert w.dense is not None  # kept where moe_dense_decode is on
+    gate_up, down = w.dense
+    tokens, num_experts = h.shape[0], len(w.experts)
+    combine = torch.zeros(tokens, num_experts, dtype=h.dtype, device=h.device).scatter_(1, experts, weights)
+    gate, up = gate_up(h).chunk(2, dim=-1)  # [T, E*I] each: every expert's gates, then every expert's ups
+    act = w.act(gate).mul_(up)
+    # Each expert's activations scaled by the token's weight for it (zero off the top-k): the down GEMM's
+    # sum over the concatenated experts is the weighted sum over the chosen ones.
+    act.view(tokens, num_experts, -1).mul_(combine[:, :, None])
+    return down(act)
+
+
+def dense_weights(gate_up: torch.Tensor, down: torch.Tensor, **linear: bool) -> tuple[Linear, Linear]:
+    """The CPU dense path's concatenated experts from stacked ``[E, 2I, H]`` / ``[E, H, I]`` weights:
+    gate|up ``[E*2I, H]`` as every expert's gate rows then every expert's up rows (so that the two halves
+    of its output are contiguous), down ``[H, E*I]`` (``linear``: the Linear flags of the per-expert copies)."""
+    experts, hidden, width = down.shape
+    gates, ups = gate_up[:, :width].reshape(-1, hidden), gate_up[:, width:].reshape(-1, hidden)
+    return (Linear(torch.cat([gates, ups]).contiguous(), None, **linear),
+            Linear(down.permute(1, 0, 2).reshape(hidden, experts * width).contiguous(), None, **linear))
+
+
+def dense_max_tokens(w: MoEWeights, dtype: torch.dtype, *, limit: int = 256, repeats: int = 3) -> int:
+    """The largest batch (a power of two, from the first at which ``T * top_k`` reaches the expert count)
+    at which the dense path beat the loop on ``w``'s weights, timed here with seeded random routing; 0 if
+    it never did. Timing stops at the first batch the loop wins (dense costs grow with T, the loop's
+    flatten once every expert is hit)."""
+    num_experts, hidden = len(w.experts), w.experts[0][0].in_features
+    gen = torch.Generator().manual_seed(0)
+    tokens, best = 1, 0
+    while tokens * w.top_k < num_experts:
+        tokens *= 2
+    while tokens <= limit:
+        h = torch.randn(tokens, hidden, generator=gen).to(dtype)
+        experts = torch.stack([torch.randperm(num_experts, generator=gen)[:w.top_k] for _ in range(tokens)])
+        weights = torch.full((tokens, w.top_k), 1.0 / w.top_k, dtype=dtype)
+        loop = dense = float("inf")
+        for _ in range(repeats):  # alternated, the fastest of each kept
+            loop = min(loop, _timed(_looped, h, w, weights, experts))
+            dense = min(dense, _timed(_dense_cpu, h, w, weights, experts))
+        if dense >= loop:
+            break
+        best, tokens = tokens, tokens * 2
+    return best
+
+
+def _timed(fn: Callable[..., torch.Tensor], *args: object) -> float:
+    start = time.perf_counter()
+    fn(*args)
+    return time.perf_counter() - start
 
 
 @lru_cache(maxsize=None)
@@ -199,8 +267,10 @@ def stacked_experts(state: dict[str, torch.Tensor], names: list[str], num_expert
 def load_moe(
     state: dict[str, torch.Tensor], prefix: str, *, num_experts: int, top_k: int, renormalize: bool,
     dtype: torch.dtype, device: torch.device, prepack: bool, fp16_weights: bool, pad_rows: bool = False,
+    dense: bool = False,
 ) -> MoEWeights:
-    """One sparse layer's weights (names checked present by the caller), cast, moved and stacked."""
+    """One sparse layer's weights (names checked present by the caller), cast, moved and stacked;
+    ``dense`` (CPU): also the dense path's concatenated copy (its ``dense_max_tokens`` is set by the caller)."""
     names = moe_tensor_names(state, prefix, num_experts)
     gate_up, down = (t.to(device, dtype).contiguous() for t in stacked_experts(state, names, num_experts))
     if gate_up.shape[0] != num_experts or down.shape[0] != num_experts:
@@ -212,6 +282,8 @@ def load_moe(
                 Linear(down[e], None, prepack=prepack, fp16_weights=fp16_weights, pad_rows=pad_rows))
                for e in range(num_experts)]
     on_cuda = device.type == "cuda"
+    concatenated = dense_weights(gate_up, down, prepack=prepack, fp16_weights=fp16_weights) \
+        if dense and not on_cuda and not pad_rows else None
     return MoEWeights(
         router=router, experts=experts,
         # Off CUDA only the loop runs, over per-expert linears that hold packed copies (or views of these).
@@ -219,4 +291,5 @@ def load_moe(
         expert_ids=torch.arange(num_experts, device=device) if on_cuda else None,
         top_k=top_k, renormalize=renormalize, grouped=grouped_mm_works(device, dtype),
         act=partial(elementwise, F.silu) if pad_rows else F.silu,  # model.deterministic: vector code only
+        dense=concatenated,
     )
