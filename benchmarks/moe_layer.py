@@ -8,9 +8,9 @@ at several token counts, in float32 and bfloat16, with random routing:
 - loop-mm: the same loop over plain stacked weights (``torch.mm`` on strided per-expert views);
 - grouped: ``torch._grouped_mm`` over the stacked weights (what transformers runs on CPU);
 - bmm: the pairs padded to the busiest expert's count, one ``torch.bmm`` per projection over all experts;
-- dense: every expert on every token as two prepacked GEMMs over all experts' weights concatenated,
-  combined by a ``[T, E]`` matrix that is zero off the top-k. Needs a second, concatenated copy of the
-  expert weights besides the per-expert one (the loop's T=1 case is 3x faster per expert), so it is not used.
+- dense: what cllm runs for batches that reach most experts under ``torch.moe_dense_decode``
+  (``moe._dense_cpu``): every expert on every token as two prepacked GEMMs over all experts' weights
+  concatenated (a second copy of them), combined by a ``[T, E]`` matrix that is zero off the top-k.
 
     .venv/bin/python benchmarks/moe_layer.py --tokens 1 4 16 32
 """
@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from cllm.backends.torch.linear import Linear
-from cllm.backends.torch.moe import MoEWeights, _looped
+from cllm.backends.torch.moe import MoEWeights, _dense_cpu, _looped, dense_weights
 
 Experts = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # (h, weights, experts) -> out
 
@@ -38,10 +38,9 @@ def variants(args: argparse.Namespace, dtype: torch.dtype) -> dict[str, Experts]
     per_expert = [(Linear(gate_up[e].contiguous(), None, prepack=True), Linear(down[e].contiguous(), None, prepack=True))
                   for e in range(E)]
     moe = MoEWeights(router=per_expert[0][0], experts=per_expert, gate_up=None, down=None, expert_ids=None,
-                     top_k=args.top_k, renormalize=True, grouped=False)
+                     top_k=args.top_k, renormalize=True, grouped=False, dense=dense_weights(gate_up, down, prepack=True))
     gate_up_t, down_t = gate_up.permute(2, 0, 1).contiguous(), down.permute(0, 2, 1).contiguous()  # [H, E, 2I], [E, I, H]
-    dense_gate_up = Linear(gate_up.reshape(E * 2 * I, H).contiguous(), None, prepack=True)
-    dense_down = Linear(down.permute(1, 0, 2).reshape(H, E * I).contiguous(), None, prepack=True)
+    gate_up_stacked_t = gate_up.transpose(1, 2).contiguous()  # [E, H, 2I]: bmm's batch-major operand
     expert_ids = torch.arange(E)
 
     def sorted_pairs(experts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -74,18 +73,12 @@ def variants(args: argparse.Namespace, dtype: torch.dtype) -> dict[str, Experts]
         slot = torch.arange(len(flat)) - (torch.cumsum(counts, 0) - counts)[by_expert]
         padded = h.new_zeros(E, int(counts.max()), H)
         padded[by_expert, slot] = h[rows]
-        gate, up = torch.bmm(padded, gate_up_t.permute(1, 0, 2)).chunk(2, dim=-1)
+        gate, up = torch.bmm(padded, gate_up_stacked_t).chunk(2, dim=-1)
         y = torch.bmm(F.silu(gate) * up, down_t)[by_expert, slot] * weights.reshape(-1)[order, None]
         return torch.zeros_like(h).index_add_(0, rows, y)
 
-    def dense(h: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        tokens = h.shape[0]
-        combine = torch.zeros(tokens, E, dtype=h.dtype).scatter_(1, experts, weights)
-        gate, up = dense_gate_up(h).view(tokens, E, 2, I).unbind(2)
-        return dense_down((F.silu(gate) * up * combine[:, :, None]).reshape(tokens, E * I))
-
     return {"loop": lambda h, w, e: _looped(h, moe, w, e), "loop-mm": loop_mm, "grouped": grouped, "bmm": bmm,
-            "dense": dense}
+            "dense": lambda h, w, e: _dense_cpu(h, moe, w, e)}
 
 
 def main() -> None:

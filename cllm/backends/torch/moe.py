@@ -39,8 +39,9 @@ Four ways to run the experts (the first three over the (token, expert) pairs sor
   (most experts hit) and ``T <= dense_max_tokens``, the largest batch at which dense beat the loop
   when timed at load on this machine (:func:`dense_max_tokens`). Measured on a 2-core AVX-512 EPYC,
   one layer of 64 experts, hidden 512, width 256, top 8 (``benchmarks/moe_layer.py``): at 16 tokens
-  loop 9.6 / dense 7.2 ms in float32, 9.0 / 3.6 ms in bfloat16; at one token the loop's 0.9 ms against
-  dense 4.6 (float32) and 2.0 (bfloat16).
+  loop 8.3 / dense 6.0 ms in float32, 6.6 / 2.9 ms in bfloat16; at one token the loop's 1.0 / 0.7 ms
+  against dense 5.1 / 2.2. At 16 tokens dense is compute-bound (bfloat16: ~280 GFLOP/s on 2 cores), E/k = 8
+  times the FLOPs the chosen experts need.
 
 Measured on an H200 (torch 2.11, bfloat16), one Qwen3-30B-A3B-shaped layer (128
 experts, hidden 2048, expert width 768, top 8), CUDA-graph replay per step:
