@@ -114,7 +114,8 @@ def cllm_runner(args: argparse.Namespace, path: Path) -> tuple[str, Runner]:
     run([[5, 6, 7]], 4)  # warm-up
     impl = getattr(llm.engine.backend, "model_impl", "native")
     weights = ", float16 weights" if llm.engine.backend.fp16_weights else ""
-    sparse = [layer.moe for layer in getattr(llm.engine.backend.model, "layers", ()) if layer.moe is not None]
+    model = llm.engine.backend.model
+    sparse = [layer.moe for layer in model.layers if layer.moe is not None] if llm.engine.backend.model_impl == "native" else []
     dense = f", dense experts to {sparse[0].dense_max_tokens} tokens" if sparse and sparse[0].dense is not None else ""
     return f"cllm torch ({impl}{weights}{dense})", run
 

@@ -25,7 +25,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from cllm import LLM  # noqa: E402
-from cllm import tiny_vlms as tv  # noqa: E402
+from cllm import tiny_vlms as tv
 from cllm.multimodal import ImageData  # noqa: E402
 from cllm.sampling.params import SamplingParams  # noqa: E402
 
@@ -117,6 +117,20 @@ def test_torch_qwen2_5_vl_matches_transformers(tmp_path):
         assert max(abs(a - b) for a, b in zip(ref, ours(out))) < 1e-4
     finally:
         llm.close()
+
+
+@pytest.mark.parametrize("family", tv.VLM_FAMILIES)
+def test_torch_largest_image_encodes_for_the_memory_reserve(family, torch_llms):
+    """On CUDA the KV pool leaves free what the largest admitted image's encode takes, measured at load by
+    encoding one (TorchVision.encoder_bytes); here the encode itself runs: a blank image that the processor
+    scales to the most the model takes gives as many embeddings as the expansion made placeholders."""
+    vision = torch_llms[family].engine.backend._vision
+    from PIL import Image
+
+    for side in (40, 96):  # fixed-size processors resize both alike; Qwen2-VL's grid grows with the image
+        _, span = vision.expand_one(ImageData.from_pil(Image.new("RGB", (side, side))), 0)
+        assert vision.encode_largest(side * side) == len(span.payload.rows) > 0
+    assert vision.encoder_bytes(96 * 96) == 0  # a CPU's KV pool is not sized from memory
 
 
 @pytest.mark.parametrize("family", ["llava", "qwen2_vl"])

@@ -108,7 +108,8 @@ class TorchBackend(Backend):
                 pad_rows=self._invariant, moe_dense=resolve_moe_dense(
                     config.torch.moe_dense_decode, loaded.spec, 2 if self.fp16_weights else self.dtype.itemsize, self.device),
             )
-        sparse = [layer.moe for layer in getattr(self.model, "layers", ()) if layer.moe is not None]
+        sparse = [layer.moe for layer in self.model.layers if layer.moe is not None] \
+            if isinstance(self.model, CausalLM) else []
         if sparse and self.device.type == "cpu":
             log.info("MoE experts on CPU: %s (torch.moe_dense_decode %s)", _moe_text(sparse[0]), config.torch.moe_dense_decode)
         self._tokenizer = _load_tokenizer(loaded, self.spec.vocab_size, config.model.chat_template)
@@ -293,7 +294,7 @@ class TorchBackend(Backend):
             max_batch_tokens=max_tokens, max_num_seqs=max_seqs, hidden=s.hidden_size, intermediate=intermediate,
             heads=s.num_heads, head_dim=s.head_dim, vocab=s.vocab_size, itemsize=itemsize,
             graph_rows=_graph_rows(config, max_seqs) if graphs else 0,
-        )
+        ) + (self._vision.encoder_bytes(config.images.max_image_pixels) if self._vision is not None else 0)
         per_block = block_size * kv_bytes_per_token(s.num_layers, s.num_kv_heads, s.head_dim, self.dtype)
         torch.cuda.empty_cache()  # blocks the allocator cached while converting weights are free, not "in use"
         sizing = size_kv_pool(

@@ -11,6 +11,7 @@ tower keeps transformers' SDPA attention; only the decoder's layers use the page
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -161,6 +162,31 @@ class TorchVision:
         tensors = {k: v for k, v in batch.items() if k not in ("input_ids", "attention_mask", "token_type_ids")
                    and isinstance(v, torch.Tensor)}
         return ids, tensors
+
+    def encode_largest(self, max_pixels: int) -> int:
+        """Encode a blank square image of ``max_pixels`` (the largest the server admits; the processor scales
+        it to the most the model takes) and return how many embeddings it gave."""
+        from PIL import Image
+
+        side = math.isqrt(max_pixels)
+        _, span = self.expand_one(ImageData.from_pil(Image.new("RGB", (side, side))), 0)
+        return len(self.features(span)[1])
+
+    def encoder_bytes(self, max_pixels: int) -> int:
+        """CUDA: the device memory the largest image's encode allocates beyond what is held, measured by
+        encoding one (:meth:`encode_largest`), so that the KV pool leaves it free (llama.cpp's warm-up
+        encode before its KV sizing does the same). Elsewhere 0: a CPU's pool is not sized from memory."""
+        if self.device.type != "cuda":
+            return 0
+        torch.cuda.synchronize(self.device)
+        before = torch.cuda.memory_allocated(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        embeddings = self.encode_largest(max_pixels)
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - before
+        log.info("the largest image (%d embeddings) takes %.0f MiB to encode; kept free beside the KV pool",
+                 embeddings, peak / 2**20)
+        return peak
 
     @staticmethod
     def image_range(span: ImageSpan) -> tuple[int, int]:
