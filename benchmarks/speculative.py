@@ -4,6 +4,7 @@ Same model (the embedded SmolLM2-135M Q4_1 by default), same machine, same promp
 server at a time, the order of the systems alternating between rounds:
 
 - ``cllm``: ``cllm serve --speculative off``;  ``cllm-ngram``: ``cllm serve`` (speculative: ngram, adaptive);
+  ``cllm-ngram-b`` (not in the default set): cllm-ngram with ``--b-set NAME=VALUE`` settings, for an A/B;
 - ``llama``: ``llama-server`` without speculation; ``llama-ngram-simple``, ``llama-ngram-map-k``,
   ``llama-ngram-mod``: its n-gram methods (``--spec-type``), on their defaults. "llama best" is the best
   of the three per prompt set.
@@ -127,7 +128,7 @@ def prompt_sets() -> dict[str, list[str]]:
 
 
 # ------------------------------------------------------------------------------------------ servers
-SYSTEMS = ["cllm", "cllm-ngram", "llama", "llama-ngram-simple", "llama-ngram-map-k", "llama-ngram-mod"]
+SYSTEMS = ["cllm", "cllm-ngram", "cllm-ngram-b", "llama", "llama-ngram-simple", "llama-ngram-map-k", "llama-ngram-mod"]
 
 
 def start(system: str, args: argparse.Namespace, binary: Path | None) -> BenchServer:
@@ -144,7 +145,9 @@ def start(system: str, args: argparse.Namespace, binary: Path | None) -> BenchSe
     else:
         cmd = [sys.executable, "-m", "cllm", "serve", "--model", args.model, "--port", str(port), "--log-level", "warning", "--served-model-name", "m",
                "--n-threads", str(args.threads), "--n-seq-max", str(slots), "--n-ctx", n_ctx,
-               "--speculative", "ngram" if system == "cllm-ngram" else "off"]
+               "--speculative", "ngram" if system.startswith("cllm-ngram") else "off"]
+        if system == "cllm-ngram-b":  # the same server with other settings, for an A/B in one run
+            cmd += [arg for setting in args.b_set for arg in ("--set", setting)]
     return BenchServer(system, cmd, port)
 
 
@@ -353,7 +356,9 @@ def main() -> None:
                    help="requests per client at each concurrency level (2 left a round's ratio +-5 %% of noise)")
     p.add_argument("--ctx-per-slot", type=int, default=2048, help="KV cells per slot (the long set's prompts are ~1,000 tokens)")
     p.add_argument("--sets", nargs="+", default=None, help="prompt sets to run (default: all)")
-    p.add_argument("--systems", nargs="+", default=SYSTEMS, choices=SYSTEMS)
+    p.add_argument("--systems", nargs="+", default=[s for s in SYSTEMS if s != "cllm-ngram-b"], choices=SYSTEMS)
+    p.add_argument("--b-set", action="append", default=[], metavar="NAME=VALUE",
+                   help="settings of the cllm-ngram-b system (cllm-ngram with these --set), e.g. speculative_ngram_min=3")
     p.add_argument("--quick", action="store_true", help="two prompts per set")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
