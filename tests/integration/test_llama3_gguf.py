@@ -111,16 +111,22 @@ def run(backend, prompt: list[int], steps: int) -> np.ndarray:
     return np.stack(rows)
 
 
-def test_torch_backend_applies_rope_freqs_and_matches_llama_cpp(llama3_gguf: Path) -> None:
-    common = dict(model=str(llama3_gguf), n_threads=1, n_ctx=256, n_seq_max=1, n_batch=256)
-    prompt = np.random.default_rng(1).integers(100, 40000, size=40).tolist()
+def llama_cpp_rows(path: Path, prompt: list[int], steps: int) -> np.ndarray:
+    common = dict(model=str(path), n_threads=1, n_ctx=256, n_seq_max=1, n_batch=256)
     # f32 KV and no flash attention: llama.cpp's CPU flash-attention kernel rounds K/V/Q to f16 (3e-2 apart)
     llama = LlamaCppBackend(load_config(environ={}, **common, type_k="f32", type_v="f32", flash_attn=False))
     try:
-        ref = run(llama, prompt, 12)
+        return run(llama, prompt, steps)
     finally:
         llama.close()
+
+
+def test_torch_backend_applies_rope_freqs_and_matches_llama_cpp(llama3_gguf: Path) -> None:
+    common = dict(model=str(llama3_gguf), n_threads=1, n_ctx=256, n_seq_max=1, n_batch=256)
+    prompt = np.random.default_rng(1).integers(100, 40000, size=40).tolist()
+    ref = llama_cpp_rows(llama3_gguf, prompt, 12)
     torch_backend = TorchBackend(load_config(environ={}, **common, backend="torch", device="cpu", dtype="float32"))
+    assert torch_backend.model_impl == "native"  # a GGUF's weights are dequantized at load: not "quantized"
     rope = torch_backend.spec.rope
     assert rope.freq_factors is not None and np.allclose(rope.freq_factors, llama3_freq_factors())
     got = run(torch_backend, prompt, 12)
@@ -131,3 +137,13 @@ def test_torch_backend_applies_rope_freqs_and_matches_llama_cpp(llama3_gguf: Pat
     torch_backend.model.inv_freq = rope_inv_freq(plain, HEAD_DIM)
     off = run(torch_backend, prompt, 0)
     assert np.abs(off[0] - ref[0]).max() > 20 * ATOL
+
+
+def test_the_transformers_path_applies_rope_freqs_too(llama3_gguf: Path) -> None:
+    """transformers' GGUF reader drops rope_freqs; the loader divides its model's rotary frequencies by them."""
+    prompt = np.random.default_rng(1).integers(100, 40000, size=40).tolist()
+    ref = llama_cpp_rows(llama3_gguf, prompt, 4)
+    backend = TorchBackend(load_config(environ={}, model=str(llama3_gguf), n_threads=1, n_ctx=256, n_seq_max=1,
+                                       backend="torch", device="cpu", dtype="float32", model_impl="transformers"))
+    assert backend.model_impl == "transformers"
+    np.testing.assert_allclose(run(backend, prompt, 4), ref, atol=ATOL, rtol=0)

@@ -818,7 +818,7 @@ def _load_tokenizer(loaded: LoadedModel, vocab_size: int, chat_template: str | N
     if not has_files:
         return None
     return HFTokenizer.load(directory, gguf_file=loaded.gguf_file, vocab_size=vocab_size, extra_eos_ids=loaded.eos_token_ids,
-                            chat_template=chat_template)
+                            chat_template=chat_template, hf_tokenizer=loaded.hf_tokenizer)
 
 
 CPU_N_SEQ_MAX = 8  # sequences at once on CPU when n_seq_max is unset

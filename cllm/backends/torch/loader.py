@@ -5,19 +5,31 @@ decoder (model.py) as a spec and a state dict, or as a transformers model for th
 HF directory: ``config.json`` plus ``*.safetensors`` (or ``pytorch_model*.bin``). A checkpoint whose
 experts are stored in MXFP4 (gpt-oss as published: ``quantization_config.quant_method`` ``mxfp4``) is
 dequantized at load by transformers' own MXFP4 loader, into the dtype the backend runs in.
-GGUF: transformers' GGUF loader dequantizes it into a ``*ForCausalLM`` whose
+GGUF: transformers' GGUF loader dequantizes it into a float32 ``*ForCausalLM`` whose
 config and state dict we take over; the llama.cpp Q/K row permutation is undone
-there, so the same file runs on both backends.
+there, and what its config reading drops is put back from the file (gguf_fixes.py),
+so the same file runs the same model on both backends. A file transformers cannot
+read, or reads leaving weights of its model unset, is refused with the llama.cpp route.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
+import logging
+import os
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from cllm.backends.torch.gguf_metadata import GGUFMetadata
+
+log = logging.getLogger("cllm.torch")
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -73,6 +85,7 @@ class LoadedModel:
     gguf_file: str | None  # GGUF file name inside tokenizer_dir, if loaded from GGUF
     eos_token_ids: tuple[int, ...] = ()  # end tokens named by the model's (generation) config
     hf_model: Any = None  # the transformers model, when its own code runs it (model_impl transformers)
+    hf_tokenizer: Any = None  # the transformers tokenizer, when the loader made it (GGUF: one parse for both)
     vision: bool = False  # hf_model is a vision-language model (AutoModelForImageTextToText): images in prompts
 
 
@@ -244,31 +257,93 @@ def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
 
 
 def _load_gguf(path: Path, model_impl: str) -> LoadedModel:
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoTokenizer
 
+    from cllm.backends.torch.gguf_fixes import apply_rope_freqs, rope_freq_factors
+    from cllm.backends.torch.gguf_metadata import read_gguf_metadata
     from cllm.backends.torch.hf_model import ATTENTION_NAME, register_attention
     from cllm.backends.torch.model_impl import choose_impl
 
-    # transformers dequantizes every tensor and undoes llama.cpp's Q/K permutation.
-    hf_model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    meta = read_gguf_metadata(path)
+    with _one_gguf_parse(path):
+        # transformers dequantizes every tensor and undoes llama.cpp's Q/K permutation; gguf_fixes puts back
+        # what its config reading drops.
+        hf_model = _gguf_transformers_model(path, meta)
+        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     eos = _as_ids(hf_model.config.eos_token_id) + _as_ids(getattr(hf_model.generation_config, "eos_token_id", None))
+    factors = rope_freq_factors(meta)  # transformers drops this tensor: without it rope is wrong
     if choose_impl(model_impl, hf_model.config) == "transformers":
+        if factors is not None:
+            apply_rope_freqs(hf_model, factors)
         register_attention()
         hf_model.set_attn_implementation(ATTENTION_NAME)
-        return LoadedModel(None, {}, path.parent, path.name, eos, hf_model.eval())
+        return LoadedModel(None, {}, path.parent, path.name, eos, hf_model.eval(), hf_tokenizer=tokenizer)
     spec = spec_from_config(hf_model.config)
-    factors = gguf_rope_freq_factors(path)
-    if factors is not None:  # transformers' GGUF loader drops this tensor: without it rope is wrong
+    if factors is not None:
         spec = dataclasses.replace(spec, rope=dataclasses.replace(spec.rope, freq_factors=factors))
     state = {k: v.detach() for k, v in hf_model.state_dict().items()}
-    return LoadedModel(spec, state, path.parent, path.name, eos)
+    return LoadedModel(spec, state, path.parent, path.name, eos, hf_tokenizer=tokenizer)
 
 
-def gguf_rope_freq_factors(path: Path) -> tuple[float, ...] | None:
-    """The ``rope_freqs.weight`` tensor of a GGUF file (llama.cpp divides each rotary frequency by it)."""
-    from gguf import GGUFReader
+_GGUF_READER_LOCK = threading.Lock()
 
-    for tensor in GGUFReader(str(path)).tensors:
-        if tensor.name == "rope_freqs.weight":
-            return tuple(float(x) for x in tensor.data.astype("float64").reshape(-1))
-    return None
+
+@contextmanager
+def _one_gguf_parse(path: Path) -> Iterator[None]:
+    """transformers parses a GGUF file's whole header (``gguf.GGUFReader``: ~3 s for a 49k-token vocabulary,
+    three times that for a 150k one) for its config, again for its weights and again for its tokenizer;
+    within this block they share one reader of ``path``. ``gguf.GGUFReader``, which transformers imports
+    where it reads, is a caching factory while the block runs (one GGUF load at a time, under a lock) and
+    is put back after; a reader of another file or for writing is made as before."""
+    import gguf
+
+    target, original = os.path.realpath(path), gguf.GGUFReader
+    readers: dict[str, Any] = {}
+
+    def shared(file: Any, mode: str = "r") -> Any:
+        if mode != "r" or os.path.realpath(file) != target:
+            return original(file, mode)
+        if target not in readers:
+            readers[target] = original(file, mode)
+        return readers[target]
+
+    with _GGUF_READER_LOCK:
+        gguf.GGUFReader = shared
+        try:
+            yield
+        finally:
+            gguf.GGUFReader = original
+
+
+def _gguf_transformers_model(path: Path, meta: GGUFMetadata) -> Any:
+    """transformers' model of a GGUF file (float32), its config completed from the file (gguf_fixes);
+    ValueError, with the llama.cpp route, where transformers' GGUF reader cannot read the file or
+    leaves weights of its model unread."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from cllm.backends.torch.gguf_fixes import complete_config
+
+    arch = meta.architecture
+    route = ("serve the file with the llama_cpp backend (`--backend llama_cpp`), or the torch backend from the "
+             "model's Hugging Face directory")
+    try:
+        config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+    except Exception as err:  # transformers' reader raises ValueError, TypeError, KeyError ... on what it cannot read
+        raise ValueError(f"transformers' GGUF reader cannot read {path.name} (GGUF architecture {arch!r}): "
+                         f"{type(err).__name__}: {err}; {route}") from err
+    config, changes = complete_config(config, meta)
+    if changes:
+        log.info("%s: taken from the GGUF file where transformers' reader left defaults: %s", path.name, changes)
+    try:
+        model, info = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, config=config,
+                                                           dtype=torch.float32, output_loading_info=True)
+    except Exception as err:
+        raise ValueError(f"transformers cannot load {path.name} (GGUF architecture {arch!r}) as a "
+                         f"{config.model_type!r} model: {type(err).__name__}: {err}; {route}") from err
+    unread = sorted(set(info.get("missing_keys") or ()))
+    if unread:  # e.g. a Mixtral GGUF (architecture "llama" with experts) read as a dense Llama
+        shown = ", ".join(unread[:6]) + (f" and {len(unread) - 6} more" if len(unread) > 6 else "")
+        raise ValueError(f"transformers' GGUF reader reads {path.name} (GGUF architecture {arch!r}) as a "
+                         f"{config.model_type!r} model but finds no weights in it for {shown} (left randomly "
+                         f"initialised); {route}")
+    return model

@@ -45,9 +45,11 @@ def native_refusal(config: Any) -> str | None:
     """Why the native decoder cannot run this transformers config exactly; None if it can."""
     arch = getattr(config, "model_type", None)
     quantization = getattr(config, "quantization_config", None)
-    if quantization:  # the native decoder reads float weights; transformers' loader dequantizes these
-        method = (quantization.get("quant_method") if isinstance(quantization, dict)
-                  else getattr(quantization, "quant_method", quantization))
+    method = (quantization.get("quant_method") if isinstance(quantization, dict)
+              else getattr(quantization, "quant_method", quantization))
+    # The native decoder reads float weights; a GGUF's are dequantized to float32 at load (loader.py), those
+    # of other quantized checkpoints only inside transformers' own modules.
+    if quantization and method != "gguf":
         return f"its weights are quantized (quant_method {method})"
     if arch in _LAYERED_WINDOWS and getattr(config, "use_sliding_window", False):
         return f"{arch} with use_sliding_window windows some layers only"

@@ -58,13 +58,15 @@ class HFTokenizer(Tokenizer):
 
     @classmethod
     def load(cls, directory: Path, *, gguf_file: str | None, vocab_size: int, extra_eos_ids: Iterable[int] = (),
-             chat_template: str | None = None) -> HFTokenizer:
-        """AutoTokenizer from an HF directory, or from a GGUF file's embedded vocabulary."""
+             chat_template: str | None = None, hf_tokenizer: Any = None) -> HFTokenizer:
+        """AutoTokenizer from an HF directory, or from a GGUF file's embedded vocabulary; ``hf_tokenizer``:
+        that tokenizer, already loaded (the loader reads a GGUF's vocabulary with its weights)."""
         from transformers import AutoTokenizer
 
-        kwargs = {"gguf_file": gguf_file} if gguf_file else {}
-        return cls(AutoTokenizer.from_pretrained(str(directory), **kwargs), vocab_size=vocab_size, extra_eos_ids=extra_eos_ids,
-                   chat_template=chat_template)
+        if hf_tokenizer is None:
+            kwargs = {"gguf_file": gguf_file} if gguf_file else {}
+            hf_tokenizer = AutoTokenizer.from_pretrained(str(directory), **kwargs)
+        return cls(hf_tokenizer, vocab_size=vocab_size, extra_eos_ids=extra_eos_ids, chat_template=chat_template)
 
     @property
     def vocab_size(self) -> int:
