@@ -27,6 +27,7 @@ from transformers import AutoModelForCausalLM
 from cllm.backends.torch.backend import TorchBackend
 from cllm.backends.torch.loader import SUPPORTED_ARCHITECTURES
 from cllm.config import load_config
+from cllm.tiny_ggufs import TINY_GGUFS
 from cllm.tiny_models import TINY_ARCHS, build_tiny
 from tests.integration.test_torch_parity import Driver
 
@@ -134,36 +135,46 @@ def check_against_transformers(arch: str, impl: str, path: Path, reference: torc
     return backend
 
 
-GGUF = Path(__file__).resolve().parent.parent / "assets" / "models" / "tiny-gemma3-text-q8_0.gguf"
+ASSETS = Path(__file__).resolve().parent.parent / "assets" / "models"
+GGUF_NEW_TOKENS = 6
+CHATML, CHATML_IDS = "<|im_start|>user\nHi<|im_end|>", [1, 4093, 198, 26843, 2]  # as SmolLM2's tokenizer reads it
 
 
-def test_a_gguf_without_a_native_decoder_runs_on_the_transformers_path() -> None:
-    """A Gemma 3 GGUF (llama.cpp's converter, q8_0): transformers' GGUF reader dequantizes it, the
-    transformers path serves it, every row equal to transformers' forward of the same dequantized model."""
-    reference = AutoModelForCausalLM.from_pretrained(str(GGUF.parent), gguf_file=GGUF.name, dtype=torch.float32).eval()
-    backend = TorchBackend(load_config(environ={}, backend="torch", model=str(GGUF), dtype="float32", device="cpu",
-                                       block_size=BLOCK, n_ctx=256, n_seq_max=4, n_threads=2))
-    assert backend.model_impl == "transformers" and backend._windows == (WINDOW,)
-    assert backend.tokenizer.encode("Hello") == reference_tokens("Hello")
+@pytest.mark.parametrize("name", list(TINY_GGUFS))
+def test_a_gguf_runs_on_the_torch_backend(name: str) -> None:
+    """A tiny GGUF of each family (llama.cpp's converter, q8_0; cllm.tiny_ggufs) on the path ``model_impl``
+    auto picks: every row within ATOL (log-probabilities) of transformers' forward of the model the file
+    holds (its dequantized weights in the family's own config, TinyGGUF.config: so whatever transformers'
+    GGUF reader drops and the loader must put back is checked), and the greedy tokens equal ``generate``."""
+    asset, path = TINY_GGUFS[name], ASSETS / name
+    # moe_dense_decode off: no crossover timing at load (~2 s; the matrix above covers that path)
+    backend = TorchBackend(load_config(environ={}, backend="torch", model=str(path), dtype="float32", device="cpu",
+                                       block_size=BLOCK, n_ctx=256, n_seq_max=4, n_threads=2, moe_dense_decode="off"))
+    assert backend.model_impl == ("native" if asset.arch in NATIVE else "transformers")
+    reference = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=name, config=asset.config(),
+                                                     dtype=torch.float32).eval()
+    windows = set(reference.config.get_text_config().to_dict().get("layer_types") or ()) & {"sliding_attention"}
+    assert backend._windows == ((WINDOW,) if windows else ())
+    # SmolLM2's tokenizer, read from the file's vocabulary: control tokens and byte-level BPE.
+    assert backend.tokenizer.encode(CHATML, add_special=False) == CHATML_IDS
     d = Driver(backend)
     prompt = list(range(300, 340))
     d.admit("a", prompt)
     d.admit("b", prompt[:10])
     d.step({"a": 25, "b": 10})
     d.step({"a": 15, "b": 0})
-    for _ in range(4):
+    for _ in range(GGUF_NEW_TOKENS):
         d.step({"a": 0, "b": 0})
+    worst = 0.0
     with torch.no_grad():
         for seq, by_pos in d.logits.items():
             ref = reference(torch.tensor([d.tokens[seq]])).logits[0].numpy()
             for position, row in by_pos.items():
-                np.testing.assert_allclose(row, ref[position], atol=ATOL, rtol=0, err_msg=f"{seq} at {position}")
-
-
-def reference_tokens(text: str) -> list[int]:
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(GGUF.parent), gguf_file=GGUF.name).encode(text, add_special_tokens=False)
+                worst = max(worst, float(np.abs(_log_softmax(row) - _log_softmax(ref[position])).max()))
+        out = reference.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                 max_new_tokens=GGUF_NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert worst <= ATOL, f"{name} ({backend.model_impl}): log-probabilities off by {worst:.2e}"
+    assert d.tokens["a"][len(prompt):] == out[0, len(prompt):].tolist()
 
 
 @pytest.mark.parametrize("arch", ["gemma2", "gpt_oss", "deepseek_v3", "gemma4_text"])
