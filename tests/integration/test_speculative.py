@@ -505,12 +505,15 @@ def test_kv_hand_off_mid_generation_with_speculation(off, pair):
 
 def test_hand_off_forgets_the_request_in_the_exporting_speculator(pair):
     # (A draft model's KV slot for it would otherwise stay taken in the exporting engine for good.)
-    # Two steps (the prompt, then a decode the speculator sees) cannot finish 48 tokens: at most 1 + 24 drafted.
-    params = cllm.SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
+    # Steps until the speculator has seen the request (a batch size it rests for waits up to REST_STEPS steps);
+    # it is seen at its first decode step unless resting, so 300 tokens do not run out first.
+    params = cllm.SamplingParams(max_tokens=300, temperature=0, ignore_eos=True)
     a, b = pair[0].engine, pair[1].engine
     a.add_request(COPY_PROMPTS[1], params, request_id="h2")
-    for _ in range(2):
+    for _ in range(18):
         a.step()
+        if "h2" in a.speculator._sequences:
+            break
     assert "h2" in a.speculator._sequences
     hand_off(a, b, "h2", chunk_bytes=64 * 1024)
     run_all(b)
