@@ -215,7 +215,7 @@ class SpeculativeConfig(_Section):
     speculative_model: str | None = Field(None, description="the draft model of speculative: draft (GGUF file or HF directory for the same backend, with the target's vocabulary)")
     num_speculative_tokens: int = Field(24, ge=1, le=256, description="most draft tokens one sequence verifies in a step")
     speculative_ngram_max: int = Field(4, ge=1, le=16, description="longest n-gram matched (the sequence's last n tokens, found earlier in its prompt or output)")
-    speculative_ngram_min: int = Field(3, ge=1, le=16, description="shortest n-gram matched")
+    speculative_ngram_min: int = Field(2, ge=1, le=16, description="shortest n-gram matched (each match length has its own acceptance record)")
 
     @model_validator(mode="after")
     def _check(self) -> SpeculativeConfig:

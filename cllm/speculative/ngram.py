@@ -15,6 +15,7 @@ class NgramIndex:
         self._tables: list[tuple[int, dict[tuple[int, ...], int]]] = [(n, {}) for n in range(n_max, n_min - 1, -1)]
         self._tokens: list[int] = []  # the sequence as far as seen (its prompt, then its output)
         self._next_end = 1  # n-grams ending before this position are indexed
+        self.matched = 0  # n of the n-gram the last proposal followed (0: none matched)
 
     def propose(self, prompt: Sequence[int], k: int, output: Sequence[int] = ()) -> list[int]:
         """Up to ``k`` tokens that followed the longest n-gram equal to the sequence's last n tokens (the
@@ -35,7 +36,9 @@ class NgramIndex:
             if length >= n:
                 end = table.get(tuple(tokens[length - n:]))
                 if end is not None:
+                    self.matched = n
                     return _continuation(tokens, end, k)
+        self.matched = 0
         return []
 
 

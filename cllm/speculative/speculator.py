@@ -12,21 +12,34 @@ from cllm.speculative.ngram import NgramIndex
 from cllm.speculative.planner import Candidate, plan
 from cllm.speculative.step_cost import StepCost
 
-# A sequence's acceptance rate starts as the engine's recent rate (PRIOR_TRIALS trials' worth) and then
-# follows its own recent steps (older ones weigh DECAY less each step), so a sequence that leaves the
-# text it was copying stops speculating within a few steps, and one that starts copying is tried again.
-# The engine's rate (all sequences' verifications, older ones weighing ENGINE_DECAY less each) starts
-# at FIRST_PRIOR: on a server copying documents a new request drafts deep from its first match, where a
-# fixed prior of one half ramped it up over several steps (most of a 50-token copy).
-# The engine's record fades by FORGET with each new sequence too, towards FIRST_PRIOR (one trial's
-# worth, always counted): otherwise a server whose first drafts happened to fail started every later
-# sequence too cautious to draft, and with no drafts the record never changed again (an A/B of one
-# client on random prompts: 4 draft tokens in 8 requests, where another start drafted 137 and kept 110).
+# A sequence's acceptance rate is its own recent record (older steps weigh DECAY less each step) on top of
+# a prior worth PRIOR_TRIALS trials: the engine's recent rate for drafts of the same kind, so a sequence
+# that leaves the text it was copying stops speculating within a few steps, and one that starts copying
+# is tried again. The kind of an n-gram draft is the length of the match it follows: on the embedded
+# model a 2-token match (", beta") is a guess where a 4-token one is usually a copy, and one record for
+# both let the first failed 2-gram draft of a server keep every later draft from being tried (issue 45).
+# Each kind's record (all sequences' verifications of it, older ones weighing ENGINE_DECAY less each)
+# starts at FIRST_PRIOR: on a server copying documents a new request drafts deep from its first match,
+# where a fixed prior of one half ramped it up over several steps (most of a 50-token copy).
+# The records fade by FORGET with each new sequence too, towards FIRST_PRIOR (one trial's worth, always
+# counted): otherwise a server whose first drafts happened to fail started every later sequence too
+# cautious to draft, and with no drafts the record never changed again (an A/B of one client on random
+# prompts: 4 draft tokens in 8 requests, where another start drafted 137 and kept 110).
 FIRST_PRIOR = 0.5
 PRIOR_TRIALS = 1.0
 DECAY = 0.7
 ENGINE_DECAY = 0.95
 FORGET = 0.8
+# A kind of n-gram draft with less than EXPLORED_TRIALS trials on record (never tried, or its trials faded)
+# is explored: a sequence with no recent rejection of its own prices such a draft as if EXPLORE_ACCEPTANCE
+# of its tokens were accepted, for at most EXPLORE_TOKENS tokens, and the plan takes it where that would
+# pay. Priced at FIRST_PRIOR, no draft pays where a step's first extra token is dear (the AVX-512/BF16
+# EPYC: a 2-token step 1.9x a 1-token one, so one sequence needs ~75 % acceptance): a kind whose first
+# try failed, or was never tried once the step cost was known, was never tried again. Exploring costs
+# one rejected EXPLORE_TOKENS draft per kind, again after a few new sequences (FORGET).
+EXPLORED_TRIALS = 0.5
+EXPLORE_ACCEPTANCE = 0.9
+EXPLORE_TOKENS = 4
 MAX_ACCEPTANCE = 0.995  # never certain: keeps the expected gain of a deep draft token below 1
 REST_STEPS = 16  # steps a batch size whose plan found nothing worth drafting is not planned again
 # A sequence's drafts are at most ``depth`` tokens deep: FIRST_DEPTH at first, doubled each time a whole
@@ -52,24 +65,42 @@ RETRY_DEPTH = 8
 
 
 @dataclass(slots=True)
+class _Record:
+    """Decayed counts of draft positions tried (accepted ones + the first rejected) and accepted."""
+
+    accepted: float = 0.0
+    trials: float = 0.0
+
+    def fade(self, factor: float) -> None:
+        self.accepted *= factor
+        self.trials *= factor
+
+    def add(self, accepted: int, trials: int) -> None:
+        self.accepted += accepted
+        self.trials += trials
+
+    def rate(self, prior: float, weight: float) -> float:
+        """The acceptance rate with ``prior`` counted as ``weight`` trials."""
+        return (self.accepted + prior * weight) / (self.trials + weight)
+
+
+@dataclass(slots=True)
 class _Sequence:
     """What the speculator keeps per request."""
 
     ngrams: NgramIndex | None  # prompt-lookup index (ngram method)
-    prior: float  # the engine's acceptance rate when the sequence started
     depth: int  # most draft tokens it verifies next (see FIRST_DEPTH)
-    accepted: float = 0.0  # decayed count of accepted draft tokens
-    trials: float = 0.0  # decayed count of draft positions tried (accepted ones + the first rejected)
+    record: _Record  # its own verifications (see DECAY)
+    kind: int  # the kind of its last proposal (the n-gram match length; 0 for a draft model)
 
     def rest(self) -> None:
         """A step considered: the record fades towards the prior (a sequence that failed is tried again
         once its failures are a few steps old; one that keeps succeeding refreshes them)."""
-        self.accepted *= DECAY
-        self.trials *= DECAY
+        self.record.fade(DECAY)
 
     @property
-    def acceptance(self) -> float:
-        return min(MAX_ACCEPTANCE, (self.accepted + self.prior * PRIOR_TRIALS) / (self.trials + PRIOR_TRIALS))
+    def rejected_lately(self) -> bool:
+        return self.record.trials - self.record.accepted >= EXPLORED_TRIALS
 
 
 @dataclass(slots=True)
@@ -100,15 +131,33 @@ class Speculator:
         self._resting: dict[int, int] = {}  # batch-size class (bit length of sampling sequences) -> steps to skip
         self.cost = StepCost()
         self.stats = SpeculationStats()
-        self._engine_accepted = 0.0  # decayed counts over all sequences (see ENGINE_DECAY, FORGET)
-        self._engine_trials = 0.0
+        # the engine's record per kind of draft (see FIRST_PRIOR): n-gram match lengths, or 0 for a draft model
+        kinds = range(self._n_range[0], self._n_range[1] + 1) if draft_model is None else [0]
+        self._kinds = {kind: _Record() for kind in kinds}
+
+    def prior(self, kind: int) -> float:
+        """The engine's recent acceptance rate of drafts of ``kind``."""
+        return self._kinds[kind].rate(FIRST_PRIOR, 1.0)
+
+    def acceptance(self, seq: _Sequence, prior: float, explore: bool = False) -> tuple[float, int]:
+        """The expected acceptance of ``seq``'s next draft, whose kind's record gives ``prior``, and the
+        most tokens it is worth: ``max_tokens``, or EXPLORE_TOKENS where the draft would ``explore`` its
+        kind (see EXPLORED_TRIALS; n-gram drafts only: a draft model's tokens cost its own decode steps)."""
+        rate = min(MAX_ACCEPTANCE, seq.record.rate(prior, PRIOR_TRIALS))
+        if explore and rate < EXPLORE_ACCEPTANCE and self._draft is None:
+            return EXPLORE_ACCEPTANCE, EXPLORE_TOKENS
+        return rate, self.max_tokens
+
+    def explored(self, kind: int) -> bool:
+        return self._kinds[kind].trials >= EXPLORED_TRIALS
 
     def propose(self, out: SchedulerOutput, budget: int, max_model_len: int) -> list[tuple[ScheduledChunk, list[int]]]:
         """Draft tokens for this step's decodes, at most ``budget`` in all: [(chunk, draft)].
 
-        First a plan as if every decode had a full draft: if even that adds nothing at this batch size
-        (a busy batch), nothing is proposed for the next REST_STEPS steps of this size, so a large batch
-        pays for the question once in REST_STEPS steps. Otherwise proposals, and the plan over them."""
+        First a plan as if every decode had a full draft of its most promising kind: if even that adds
+        nothing at this batch size (a busy batch), nothing is proposed for the next REST_STEPS steps of
+        this size, so a large batch pays for the question once in REST_STEPS steps. Otherwise
+        proposals, and the plan over them."""
         num_sampled = sum(1 for c in out.chunks if c.sample)
         size = num_sampled.bit_length()
         if self._resting.get(size, 0) > 0:
@@ -125,7 +174,11 @@ class Speculator:
         limits = [min(limit, seq.depth) for limit, seq in zip(limits, seqs)]
         depth_seconds = self._draft.step_seconds() if self._draft is not None else 0.0
         context = step_context(out.chunks)
-        upper = [Candidate(seq.acceptance, limit, c.request.num_tokens) for c, seq, limit in zip(chunks, seqs, limits)]
+        best_prior, all_explored = max(map(self.prior, self._kinds)), all(map(self.explored, self._kinds))
+        upper = []
+        for c, seq, limit in zip(chunks, seqs, limits):
+            rate, most = self.acceptance(seq, best_prior, not all_explored)  # (a rejection fades while it rests)
+            upper.append(Candidate(rate, min(limit, most), c.request.num_tokens))
         plan(upper, out.num_tokens, num_sampled, self.cost, budget, depth_seconds, apart=self._apart, context=context)
         for seq in seqs:  # considered, drafting or not: a sequence whose drafts failed is tried again later
             seq.rest()
@@ -141,8 +194,11 @@ class Speculator:
         for c, seq, limit in zip(chunks, seqs, limits):
             tokens = seq.ngrams.propose(c.request.prompt_token_ids, limit, c.request.output_token_ids) if limit > 0 else []
             if tokens:
+                seq.kind = seq.ngrams.matched
+                explore = not self.explored(seq.kind) and not seq.rejected_lately
+                rate, most = self.acceptance(seq, self.prior(seq.kind), explore)
                 proposals.append((c, tokens))
-                candidates.append(Candidate(seq.acceptance, len(tokens), c.request.num_tokens))
+                candidates.append(Candidate(rate, min(len(tokens), most), c.request.num_tokens))
         plan(candidates, out.num_tokens, num_sampled, self.cost, budget, depth_seconds, apart=self._apart,
              context=context)
         chosen = [(c, tokens[:cand.take]) for (c, tokens), cand in zip(proposals, candidates) if cand.take > 0]
@@ -154,10 +210,9 @@ class Speculator:
         seq = self._sequences.get(req.request_id)
         if seq is None:
             ngrams = NgramIndex(*self._n_range) if self.method == "ngram" else None
-            self._engine_accepted *= FORGET
-            self._engine_trials *= FORGET
-            prior = (self._engine_accepted + FIRST_PRIOR) / (self._engine_trials + 1.0)
-            seq = self._sequences[req.request_id] = _Sequence(ngrams, prior, FIRST_DEPTH)
+            for record in self._kinds.values():
+                record.fade(FORGET)
+            seq = self._sequences[req.request_id] = _Sequence(ngrams, FIRST_DEPTH, _Record(), min(self._kinds))
         return seq
 
     def observe_step(self, chunks: list[ScheduledChunk], seconds: float) -> None:
@@ -173,14 +228,14 @@ class Speculator:
         seq = self._sequences.get(req.request_id)
         trials = accepted + (1 if accepted < proposed else 0)
         if seq is not None:
-            seq.accepted += accepted
-            seq.trials += trials
+            seq.record.add(accepted, trials)
             if accepted == proposed:
                 seq.depth = min(self.max_tokens, max(2 * proposed, FIRST_DEPTH))
             else:
                 seq.depth = max(RETRY_DEPTH, 2 * accepted)
-        self._engine_accepted = self._engine_accepted * ENGINE_DECAY + accepted
-        self._engine_trials = self._engine_trials * ENGINE_DECAY + trials
+            kind = self._kinds[seq.kind]
+            kind.fade(ENGINE_DECAY)
+            kind.add(accepted, trials)
         s = self.stats
         s.proposed_tokens += proposed
         s.accepted_tokens += accepted

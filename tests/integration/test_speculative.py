@@ -446,6 +446,15 @@ def test_request_may_turn_speculation_off(spec):
 
 # ------------------------------------------------------------------ llama.cpp, preemption, hand-off
 
+# Drafts verified as rows of a unified cache's decode, against the same positions decoded one token at a
+# time, preempted and resumed: measured on the embedded model (2026-11-28, AVX-512/BF16 EPYC, 1 thread,
+# flash attention on) up to 0.117 nats with speculative_ngram_min 3 and 0.25 with 2 (other steps draft,
+# so other positions are verified rows), where batch composition alone stays within 0.07 (LOGPROB_TOL
+# is 0.25 for that). The test is after lost or misplaced KV on a swap or recompute, which changes the
+# context itself, not the rounding of the same one.
+UNIFIED_VERIFY_TOL = 0.5
+
+
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 @pytest.mark.parametrize("method", ["ngram", "draft"])
 def test_preemption_with_speculation(method, mode, request):
@@ -472,9 +481,10 @@ def test_preemption_with_speculation(method, mode, request):
     assert stats.spec_accepted_tokens > 0
     assert all(len(o.outputs[0].token_ids) == 90 for o in got)
     # Preemption recomputes prompts and reshuffles the unified cache's cells at other steps than
-    # without drafts: only the rounding bound holds.
+    # without drafts: only the rounding bound holds, and for drafts verified in a unified cache it is
+    # wider than LOGPROB_TOL (see UNIFIED_VERIFY_TOL).
     for a, b in zip(got, want):
-        assert_greedy_agree(a, b)
+        assert_greedy_agree(a, b, tol=UNIFIED_VERIFY_TOL)
 
 
 @pytest.fixture(scope="module")

@@ -507,30 +507,37 @@ def test_a_sequence_drafts_deeper_only_after_whole_drafts_are_accepted():
     assert depths == [12, 24, 24, 8, 8, 12, 10, 20, 24]
 
 
-def test_a_new_sequence_starts_from_the_engines_recent_acceptance():
+def test_a_new_sequence_starts_from_the_engines_recent_acceptance_of_its_kind_of_draft():
     """A server that has been copying text has a new request draft as a likely one; one whose drafts
-    keep failing has it start cautious. Its own record then takes over."""
+    keep failing has it start cautious. Its own record then takes over. Each kind of n-gram draft (the
+    length of the match it follows) has a record of its own: 2-token matches failing says nothing of
+    4-token ones."""
     from cllm.config import SpeculativeConfig
     from cllm.request import Request
     from cllm.speculative import speculator as sp
 
-    def request(i: int) -> Request:
-        return Request(f"r{i}", [1, 2, 3], cllm.SamplingParams(max_tokens=100, temperature=0), 100)
+    def sequence(name: str, kind: int) -> tuple[Request, object]:
+        req = Request(name, [1, 2, 3], cllm.SamplingParams(max_tokens=100, temperature=0), 100)
+        seq = spec._sequence(req)
+        seq.kind = kind
+        return req, seq
 
-    copying, failing = (sp.Speculator(SpeculativeConfig(speculative="ngram")) for _ in range(2))
-    assert copying._sequence(request(0)).acceptance == pytest.approx(sp.FIRST_PRIOR)
-    for i in range(1, 30):
-        copying.verified(request(i), 8, 8, 9)
-        failing.verified(request(i), 8, 0, 1)
-    likely, unlikely = copying._sequence(request(99)), failing._sequence(request(99))
-    assert likely.acceptance > 0.9 and unlikely.acceptance < 0.1
-    copying.verified(request(99), 4, 0, 1)  # its own first draft fails at once
-    assert likely.acceptance < 0.5
+    spec = sp.Speculator(SpeculativeConfig(speculative="ngram", speculative_ngram_min=2, speculative_ngram_max=4))
+    assert spec.prior(2) == spec.prior(4) == pytest.approx(sp.FIRST_PRIOR)
+    (copying, _), (guessing, _) = sequence("copying", 4), sequence("guessing", 2)
+    for _ in range(30):
+        spec.verified(copying, 8, 8, 9)
+        spec.verified(guessing, 8, 0, 1)
+    new, seq = sequence("new", 4)
+    likely, unlikely = spec.acceptance(seq, spec.prior(4))[0], spec.acceptance(seq, spec.prior(2))[0]
+    assert likely > 0.9 and unlikely < 0.1
+    spec.verified(new, 4, 0, 1)  # its own first draft fails
+    assert spec.acceptance(seq, spec.prior(4))[0] < 0.5
 
 
 def test_a_failed_start_does_not_keep_every_later_sequence_from_drafting():
-    """The engine's record fades with each new sequence back towards the first prior: after a few
-    failed drafts and a run of requests that drafted nothing, a new request is tried again."""
+    """Each kind's record fades with each new sequence back towards the first prior: after a few failed
+    drafts and a run of requests that drafted nothing, a new request is tried again."""
     from cllm.config import SpeculativeConfig
     from cllm.request import Request
     from cllm.speculative import speculator as sp
@@ -538,13 +545,77 @@ def test_a_failed_start_does_not_keep_every_later_sequence_from_drafting():
     def request(i: int) -> Request:
         return Request(f"r{i}", [1, 2, 3], cllm.SamplingParams(max_tokens=100, temperature=0), 100)
 
-    spec = sp.Speculator(SpeculativeConfig(speculative="ngram"))
+    spec = sp.Speculator(SpeculativeConfig(speculative="ngram", speculative_ngram_min=3, speculative_ngram_max=3))
     spec._sequence(request(0))
     spec.verified(request(0), 4, 0, 1)  # the server's first draft fails
-    assert spec._sequence(request(1)).prior < 0.3
-    priors = [spec._sequence(request(i)).prior for i in range(2, 12)]  # ten requests that draft nothing
+    spec._sequence(request(1))
+    assert spec.prior(3) < 0.3
+    priors = []
+    for i in range(2, 12):  # ten requests that draft nothing
+        spec._sequence(request(i))
+        priors.append(spec.prior(3))
     assert priors == sorted(priors) and priors[-1] > 0.4
     assert priors[-1] < sp.FIRST_PRIOR  # the failure still counts a little
+
+
+def test_an_unexplored_kind_of_draft_is_tried_then_priced_by_its_record():
+    """Priced at the first prior, no draft pays where a step's first extra token is dear, so a kind never
+    tried (or whose record has faded) is priced as likely, for a short draft, by a sequence with no recent
+    rejection of its own; once tried it is priced by what happened (issue 45: the first failed 2-token
+    match of a server kept its 4-token matches, real copies, from ever being tried)."""
+    from cllm.config import SpeculativeConfig
+    from cllm.request import Request
+    from cllm.speculative import speculator as sp
+
+    spec = sp.Speculator(SpeculativeConfig(speculative="ngram", speculative_ngram_min=2, speculative_ngram_max=4))
+    req = Request("r", [1, 2, 3], cllm.SamplingParams(max_tokens=100, temperature=0), 100)
+    seq = spec._sequence(req)
+    assert not spec.explored(2)
+    assert spec.acceptance(seq, spec.prior(2), explore=True) == (sp.EXPLORE_ACCEPTANCE, sp.EXPLORE_TOKENS)
+    seq.kind = 2
+    spec.verified(req, 4, 0, 1)  # the 2-token match's draft is rejected at once
+    assert spec.explored(2) and not spec.explored(4) and seq.rejected_lately
+    assert spec.acceptance(seq, spec.prior(2))[0] < 0.3
+    for _ in range(2):  # two steps considered: the sequence's own rejection fades, the kind's does not
+        seq.rest()
+    assert not seq.rejected_lately and spec.explored(2)
+    assert spec.acceptance(seq, spec.prior(4), explore=True) == (sp.EXPLORE_ACCEPTANCE, sp.EXPLORE_TOKENS)
+    seq.kind = 4
+    spec.verified(req, 4, 4, 5)  # the 4-token match's draft is kept: from now on priced by the record
+    rate, most = spec.acceptance(seq, spec.prior(4))
+    assert spec.explored(4) and rate > 0.8 and most == spec.max_tokens
+
+
+def test_a_copying_sequence_drafts_again_after_its_first_short_match_failed():
+    """End to end on the fake engine, the step cost steep at its first extra token (a 2-token step 2x a
+    1-token one, as on the AVX-512/BF16 EPYC): the sequence's first draft follows a spurious 2-token
+    match and is rejected; later it copies, and its 4-token matches are drafted and kept."""
+    from cllm.speculative import speculator as sp
+
+    engine = fake_engine(speculative="ngram", speculative_ngram_min=2, speculative_ngram_max=4)
+    engine.speculator.cost = SteepCost()
+    verifications = []
+    verified = engine.speculator.verified
+    engine.speculator.verified = lambda req, proposed, accepted, emitted: (
+        verifications.append((proposed, accepted)), verified(req, proposed, accepted, emitted))
+    # The counting model goes on 32, 33, ...: "31 32" occurs earlier followed by zeros (a spurious match),
+    # and 33..49 is the text it then copies.
+    prompt = [1, 31, 32, 0, 0, 0] + list(range(33, 50)) + [2, 30, 31]
+    engine.add_request(prompt, cllm.SamplingParams(max_tokens=16, temperature=0, ignore_eos=True), request_id="r")
+    out = run_all(engine)["r"]
+    assert out.outputs[0].token_ids == list(range(32, 48))
+    assert verifications[0] == (sp.EXPLORE_TOKENS, 0)  # the 2-token match, explored and rejected
+    assert sum(accepted for _, accepted in verifications[1:]) >= 8  # then the copy, drafted and kept
+
+
+class SteepCost(StepCost):
+    """A step's first extra token costs as much again as the step (10 ms a token alone, 21 ms for two)."""
+
+    def observe(self, num_tokens: int, seconds: float, context: int = 0) -> None:
+        pass
+
+    def seconds(self, num_tokens: int, context: int = 0) -> float:
+        return 0.010 if num_tokens == 1 else 0.019 + 0.001 * num_tokens
 
 
 def test_the_step_that_times_a_decode_for_the_stall_bound_carries_no_drafts():
