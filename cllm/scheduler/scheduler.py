@@ -31,11 +31,6 @@ if TYPE_CHECKING:
 # vocabulary, then copied to the host for the log-softmax), not only the last.
 SCORED_CHUNK_TOKENS = 512
 MIN_PREFILL_PER_STEP = 16  # prompt tokens a step carries beside decodes however slow a token is
-# ... and under the auto bound: a prompt chunk costs more per token the smaller it is (its tokens share
-# the weight reads of the step): measured served, 8 clients of 1,000-token prompts on the embedded model
-# (2 threads, AVX-512 EPYC), chunks under 128 tokens cost 3.3-3.5 ms a token against 2.0 for 512 and more,
-# so drip-feeding prompts in 30-token chunks doubled TTFT p50 (7.6 -> 15.7 s) and lost 8 % of tokens/s.
-AUTO_MIN_PREFILL_PER_STEP = 256
 COST_SAMPLE_TOKENS = 32  # smallest step whose time counts towards the cost per token
 COST_SMOOTHING = 0.2  # weight of the newest step in that moving average
 
@@ -66,6 +61,7 @@ class Scheduler:
         # auto: the bound is stall_factor x the measured time of a pure decode step of as many sequences
         # (on a CPU; on a GPU auto is no bound: Backend.on_gpu)
         self.stall_factor = config.decode_stall_factor if stall == "auto" and not backend.on_gpu else None
+        self.prefill_per_prompt = config.min_prefill_per_prompt  # (auto: the fewest prompt tokens a step carries, per prompt)
         self.seconds_per_token: float | None = None
         self.decode_seconds: dict[int, float] = {}  # batch-size class (bit length) -> pure decode step, moving average
         self._decode_probed: set[int] = set()  # classes a step was kept prompt-free for, to time a pure decode
@@ -182,7 +178,8 @@ class Scheduler:
         # While anyone decodes, prompts get at most one bounded chunk per step (the decodes' wait);
         # with nobody decoding (a burst of arrivals) they may fill the whole budget, as llama-server
         # fills its n_batch, since no one waits on them.
-        prefill_left = self._prefill_while_decoding(len(decoding)) if decoding else self.token_budget
+        prefill_left = (self._prefill_while_decoding(len(decoding), len(prefilling) + len(self.waiting)) if decoding
+                        else self.token_budget)
         if not self._schedule_decodes(out, decoding):
             return 0
         for req in prefilling:
@@ -216,13 +213,14 @@ class Scheduler:
             out.add(ScheduledChunk(req, start, 1, req.max_tokens > 0))
         return out.num_tokens < budget
 
-    def _prefill_while_decoding(self, num_decoding: int) -> int:
-        """Prompt tokens a step may carry beside ``num_decoding`` decodes: max_prefill_chunk, and
-        what keeps the step within the stall bound at the measured cost per token. With the auto bound
-        and no decode step of this size measured yet, the step carries none, once per size class, so
-        that one is: a burst of long prompts otherwise never leaves a step without prompt tokens, and
-        the first sequences to finish their prefill would decode beside 2,048-token chunks (3 s a step
-        on 2 cores) until every prompt is in."""
+    def _prefill_while_decoding(self, num_decoding: int, num_prompts: int) -> int:
+        """Prompt tokens a step may carry beside ``num_decoding`` decodes while ``num_prompts`` prompts wait
+        or are being prefilled: max_prefill_chunk, and what keeps the step within the stall bound at the
+        measured cost per token (under auto at least min_prefill_per_prompt per prompt: config.yaml). With
+        the auto bound and no decode step of this size measured yet, the step carries none, once per size
+        class, so that one is: a burst of long prompts otherwise never leaves a step without prompt
+        tokens, and the first sequences to finish their prefill would decode beside 2,048-token chunks
+        (3 s a step on 2 cores) until every prompt is in."""
         chunk = self.prefill_chunk
         stall = self.stall_bound(num_decoding)
         if stall is None and self.stall_factor is not None and self.seconds_per_token is not None:
@@ -232,7 +230,7 @@ class Scheduler:
                 self._probing = True
                 return 0
         if stall is not None and self.seconds_per_token is not None:
-            least = MIN_PREFILL_PER_STEP if self.stall_factor is None else AUTO_MIN_PREFILL_PER_STEP
+            least = MIN_PREFILL_PER_STEP if self.stall_factor is None else self.prefill_per_prompt * max(1, num_prompts)
             chunk = min(chunk, max(least, int(stall / self.seconds_per_token) - num_decoding))
         return chunk
 

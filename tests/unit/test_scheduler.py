@@ -8,7 +8,7 @@ import pytest
 from cllm.engine.llm_engine import LLMEngine
 from cllm.sampling.params import SamplingParams
 from cllm.scheduler import scheduler as scheduler_module
-from cllm.scheduler.scheduler import AUTO_MIN_PREFILL_PER_STEP, _RefusedAdmission
+from cllm.scheduler.scheduler import _RefusedAdmission
 from tests.unit.fakes import EOS, FakeBackend, fake_config, run_all
 
 GREEDY = SamplingParams(max_tokens=5, temperature=0)
@@ -309,7 +309,7 @@ def test_auto_stall_bound_is_off_on_a_gpu_backend():
     assert sched.stall_factor is None and sched.stall_s is None
     sched.observe_step(4, 0.200, num_sequences=4)
     sched.seconds_per_token = 0.010
-    assert sched.stall_bound(4) is None and sched._prefill_while_decoding(4) == sched.prefill_chunk
+    assert sched.stall_bound(4) is None and sched._prefill_while_decoding(4, 1) == sched.prefill_chunk
     engine, _ = make_engine(gpu, max_decode_stall_ms=300)  # a number is a number everywhere
     assert engine.scheduler.stall_s == pytest.approx(0.3)
 
@@ -321,31 +321,34 @@ def test_observe_step_averages_the_cost_per_token():
     sched.observe_step(100, 0.2)
     assert sched.seconds_per_token == pytest.approx(0.001 + 0.2 * 0.001)
     sched.observe_step(4, 0.01, num_sequences=4)  # a pure decode step: no bound with the setting off
-    assert sched._prefill_while_decoding(4) == sched.prefill_chunk  # no stall bound: the chunk alone
+    assert sched._prefill_while_decoding(4, 1) == sched.prefill_chunk  # no stall bound: the chunk alone
 
 
 def test_auto_stall_bound_is_a_multiple_of_a_measured_decode_step_of_as_many_sequences():
     engine, backend = make_engine(FakeBackend(max_batch_tokens=2048))  # the default: auto, factor 3
     sched = engine.scheduler
     assert sched.stall_factor == 3.0 and sched.stall_bound(4) is None  # nothing measured: prompts are not cut
-    assert sched._prefill_while_decoding(4) == sched.prefill_chunk  # (nor is a cost per token)
+    assert sched._prefill_while_decoding(4, 1) == sched.prefill_chunk  # (nor is a cost per token)
     sched.seconds_per_token = 0.001
-    assert sched._prefill_while_decoding(4) == 0  # one step without prompt tokens times a decode step of 4..7
-    assert sched._prefill_while_decoding(5) == sched.prefill_chunk  # once: then the budget alone
+    assert sched._prefill_while_decoding(4, 1) == 0  # one step without prompt tokens times a decode step of 4..7
+    assert sched._prefill_while_decoding(5, 1) == sched.prefill_chunk  # once: then the budget alone
     sched.observe_step(4, 0.200, num_sequences=4)  # a decode step of 4 sequences: 200 ms
     sched.observe_step(40, 0.5, num_sequences=2)  # a prompt chunk beside a decode: not a decode step
     sched.observe_step(6, 0.5, num_sequences=3)  # a verification (drafts): not a decode step either
     assert sched.decode_seconds == {3: pytest.approx(0.200)}
     sched.seconds_per_token = 0.001
     assert sched.stall_bound(5) == pytest.approx(0.600)  # 4..7 sequences share the class
-    assert sched._prefill_while_decoding(4) == 600 - 4  # 600 ms at 1 ms a token, less the decodes
+    assert sched._prefill_while_decoding(4, 1) == 600 - 4  # 600 ms at 1 ms a token, less the decodes
     sched.seconds_per_token = 0.010
-    assert sched._prefill_while_decoding(4) == AUTO_MIN_PREFILL_PER_STEP  # never in chunks under 256 tokens
+    assert sched._prefill_while_decoding(4, 1) == 512  # never in chunks under min_prefill_per_prompt
+    # ... per prompt waiting or being prefilled: a queue of prompts gets more of each step, up to the chunk
+    assert sched._prefill_while_decoding(4, 3) == 3 * 512
+    assert sched._prefill_while_decoding(4, 1000) == sched.prefill_chunk
     assert sched.stall_bound(8) is None  # another size class is measured on its own
     sched.observe_step(4, 0.400, num_sequences=4)  # slower now: the average follows
     assert sched.decode_seconds[3] == pytest.approx(0.200 + 0.2 * 0.200)
-    # in the engine: two decoding sequences, then a long prompt arrives beside them
-    engine, backend = make_engine(FakeBackend(max_batch_tokens=2048))
+    # in the engine: two decoding sequences, then a long prompt arrives beside them (a floor under the bound)
+    engine, backend = make_engine(FakeBackend(max_batch_tokens=2048), min_prefill_per_prompt=64)
     sched = engine.scheduler
     for rid in "ab":
         engine.add_request([1, 2, 3], GREEDY, request_id=rid)
@@ -362,8 +365,9 @@ def test_auto_stall_bound_is_a_multiple_of_a_measured_decode_step_of_as_many_seq
 def test_a_burst_of_long_prompts_times_a_decode_step_then_cuts_the_rest_beside_the_decodes():
     """Prompts arriving together fill the budget while nobody decodes; the first ones done then decode,
     and the step after carries no prompt tokens (no drafts either), so that a decode step of that size is
-    measured and the prompts still waiting are cut to the bound beside it."""
-    engine, backend = make_engine(FakeBackend(max_batch_tokens=2048))
+    measured and the prompts still waiting are cut to the bound beside it, but never below the floor per
+    prompt pending (min_prefill_per_prompt 256, two prompts: 512 tokens where the bound alone would take 298)."""
+    engine, backend = make_engine(FakeBackend(max_batch_tokens=2048), min_prefill_per_prompt=256)
     sched = engine.scheduler
     for rid in "abcd":
         engine.add_request([i % 50 + 1 for i in range(800)], GREEDY, request_id=rid)
@@ -375,7 +379,8 @@ def test_a_burst_of_long_prompts_times_a_decode_step_then_cuts_the_rest_beside_t
     sched.decode_seconds[2], sched.seconds_per_token = 0.100, 0.001  # (pinned: the fake is faster than any CPU)
     sched.observe_step = lambda *args: None
     engine.step()
-    assert backend.batches[-1][2].count("c") == 300 - 2 and "d" not in backend.batches[-1][2]
+    step = backend.batches[-1][2]
+    assert step.count("c") == 800 - 448 and step.count("d") == 2 * 256 - (800 - 448)
     outs = run_all(engine)
     assert all(len(outs[rid].outputs[0].token_ids) == 5 for rid in "abcd")
 
