@@ -100,6 +100,7 @@ class _Sequence:
 
     @property
     def rejected_lately(self) -> bool:
+        """Its recent rejections (decayed) still weigh half a trial or more: it does not explore (EXPLORED_TRIALS)."""
         return self.record.trials - self.record.accepted >= EXPLORED_TRIALS
 
 
