@@ -11,7 +11,9 @@ server learns them (an unknown curve at first, one bucket at a time), so a polic
 are deterministic. (Handing the planner the whole curve up front instead, as this script did before
 2026-11-28, models no server: with the neutral prior and a known, steep 1 -> 2 token step, a new sequence
 never drafts, and a copy set showed 0.97x where served it is 1.7x.) Each policy runs every prompt twice and reports the second pass (the
-first warms the engine's acceptance prior, as a server's earlier requests would).
+first warms the engine's acceptance prior, as a server's earlier requests would); ``--cold`` reports the
+first pass instead: a fresh server's first requests, which is what each round of benchmarks/speculative.py
+measures (it starts a new server per round, and copy is its first set).
 
 Figures are modeled decode tokens/s (output tokens after the first, over the priced decode steps),
 per prompt set: median and mean over its prompts, and the mean against no speculation.
@@ -69,9 +71,11 @@ def pricer(curve: dict[int, float]):
     return lambda n: float(np.interp(n, xs, ys)) if n <= xs[-1] else ys[-1] + (n - xs[-1]) * slope
 
 
-def run_policy(settings: dict[str, float], sets: dict[str, list[str]], price, max_tokens: int) -> dict[str, list[float]]:
+def run_policy(settings: dict[str, float], sets: dict[str, list[str]], price, max_tokens: int,
+               report_pass: int = 1) -> dict[str, list[float]]:
     """Modeled decode tok/s of every prompt under ``settings`` (speculator constants and
-    ``num_speculative_tokens``; ``speculative=off`` for the baseline)."""
+    ``num_speculative_tokens``; ``speculative=off`` for the baseline), in pass ``report_pass`` (0: a
+    fresh engine's first requests, as each round of benchmarks/speculative.py serves them; 1: warm)."""
     settings = dict(settings)
     method = str(settings.pop("speculative", "ngram"))
     kwargs: dict[str, object] = {"speculative": method}
@@ -99,7 +103,7 @@ def run_policy(settings: dict[str, float], sets: dict[str, list[str]], price, ma
                     out = llm.chat([[{"role": "user", "content": prompt}]], params)[0]
                     n = len(out.outputs[0].token_ids)
                     priced = steps if method != "off" else [1] * (n - 1)
-                    if pass_no == 1 and n > 1:
+                    if pass_no == report_pass and n > 1:
                         result.setdefault(name, []).append((n - 1) / (sum(price(s) for s in priced) / 1000))
         llm.close()
         return result
@@ -127,6 +131,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--curve", help="JSON {tokens: ms} instead of measuring")
     ap.add_argument("--json", help="write the figures here")
+    ap.add_argument("--cold", action="store_true",
+                    help="report the first pass (a fresh server's first requests, as each round of "
+                         "benchmarks/speculative.py starts one) instead of the second")
     args = ap.parse_args()
     from cllm.backends.llama_cpp.weights import prepare_weights
     from cllm.model_path import resolve_model_path
@@ -140,7 +147,7 @@ def main() -> None:
     policies = ["speculative=off"] + (args.policy or [""])
     figures: dict[str, dict[str, list[float]]] = {}
     for policy in policies:
-        figures[policy or "defaults"] = run_policy(parse_policy(policy), sets, price, args.max_tokens)
+        figures[policy or "defaults"] = run_policy(parse_policy(policy), sets, price, args.max_tokens, 0 if args.cold else 1)
     base = figures["speculative=off"]
     print(f"{'policy':40s}" + "".join(f"{name:>26s}" for name in sets))
     for policy, result in figures.items():

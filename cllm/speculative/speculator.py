@@ -42,6 +42,11 @@ EXPLORE_ACCEPTANCE = 0.9
 EXPLORE_TOKENS = 4
 MAX_ACCEPTANCE = 0.995  # never certain: keeps the expected gain of a deep draft token below 1
 REST_STEPS = 16  # steps a batch size whose plan found nothing worth drafting is not planned again
+# In a batch of at most 2**FRESH_LOOK_CLASS - 1 sampling sequences a rest ends when a new sequence joins:
+# there the verdict was the old sequences' own records (a failed copy), not the batch's cost, and carried
+# over it kept one stream's next request from drafting for the rest of 16 steps (served copy set: 7 plain
+# steps at the start of a copying request that followed one which left its passage).
+FRESH_LOOK_CLASS = 2
 # A sequence's drafts are at most ``depth`` tokens deep: FIRST_DEPTH at first, doubled each time a whole
 # draft is accepted, cut to twice the accepted tokens (at least 1) when one is rejected. Acceptance on
 # free text is bursty (a phrase repeats, then the model goes elsewhere): the per-token rate alone planned
@@ -157,13 +162,15 @@ class Speculator:
 
         First a plan as if every decode had a full draft of its most promising kind: if even that adds
         nothing at this batch size (a busy batch), nothing is proposed for the next REST_STEPS steps of
-        this size, so a large batch pays for the question once in REST_STEPS steps. Otherwise
-        proposals, and the plan over them."""
+        this size, so a large batch pays for the question once in REST_STEPS steps (a small one until a
+        new sequence joins: FRESH_LOOK_CLASS). Otherwise proposals, and the plan over them."""
         num_sampled = sum(1 for c in out.chunks if c.sample)
         size = num_sampled.bit_length()
         if self._resting.get(size, 0) > 0:
-            self._resting[size] -= 1
-            return []
+            if size > FRESH_LOOK_CLASS or not any(self._joined(c) for c in out.chunks):
+                self._resting[size] -= 1
+                return []
+            self._resting[size] = 0
         chunks = [c for c in out.chunks if c.sample and c.num_tokens == 1 and _may_speculate(c.request)]
         if not chunks or budget <= 0:
             return []
@@ -206,6 +213,11 @@ class Speculator:
         if not chosen:  # nothing to copy now: look again after a few steps (fewer for a small batch)
             self._resting[size] = min(REST_STEPS, num_sampled)
         return chosen
+
+    def _joined(self, chunk: ScheduledChunk) -> bool:
+        """A decode of a sequence that may speculate and was never considered."""
+        return (chunk.sample and chunk.num_tokens == 1 and chunk.request.request_id not in self._sequences
+                and _may_speculate(chunk.request))
 
     def _sequence(self, req: Request) -> _Sequence:
         seq = self._sequences.get(req.request_id)

@@ -638,3 +638,22 @@ def test_the_step_that_times_a_decode_for_the_stall_bound_carries_no_drafts():
     outs = run_all(engine)
     assert outs["a"].outputs[0].token_ids == list(range(10, 40))
     assert engine.speculator.stats.accepted_tokens > 0  # a drafted in the other steps
+
+
+def test_a_one_stream_rest_ends_when_the_next_request_starts():
+    """One stream: the request before found nothing worth drafting (its copy had ended), so the batch
+    size rests REST_STEPS steps. That verdict was about its record, not the batch's cost: the next
+    request, which copies, drafts from its first decode step."""
+    from cllm.speculative import speculator as sp
+
+    engine = fake_engine(speculative="ngram", num_speculative_tokens=4)
+    engine.speculator.cost = FlatCost()
+    params = cllm.SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    engine.add_request([5, 3, 8, 1], params, request_id="before")  # nothing to copy
+    run_all(engine)
+    engine.speculator._resting[1] = sp.REST_STEPS  # what its last plan left
+    engine.backend.batches.clear()
+    engine.add_request(list(range(64)) + list(range(10)), params, request_id="next")
+    run_all(engine)
+    first_decode = next(pos for _, pos, _ in engine.backend.batches if pos[0] == 74)
+    assert len(first_decode) == 5  # the decode and 4 draft tokens
