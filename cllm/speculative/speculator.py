@@ -36,7 +36,10 @@ FORGET = 0.8
 # pay. Priced at FIRST_PRIOR, no draft pays where a step's first extra token is dear (the AVX-512/BF16
 # EPYC: a 2-token step 1.9x a 1-token one, so one sequence needs ~75 % acceptance): a kind whose first
 # try failed, or was never tried once the step cost was known, was never tried again. Exploring costs
-# one rejected EXPLORE_TOKENS draft per kind, again after a few new sequences (FORGET).
+# one rejected EXPLORE_TOKENS draft per kind, again after a few new sequences (FORGET). A kind not yet
+# explored is priced at least at the rate of a shorter kind that was: a longer match is the more specific
+# one, so where 2-token matches are being copied, a first 3-token match is not explored 4 tokens at a time
+# (a fresh server's first copy went 4, 4, 11 tokens a draft: a 2-, a 3-, then a 4-token match).
 EXPLORED_TRIALS = 0.5
 EXPLORE_ACCEPTANCE = 0.9
 EXPLORE_TOKENS = 4
@@ -142,8 +145,13 @@ class Speculator:
         self._kinds = {kind: _Record() for kind in kinds}
 
     def prior(self, kind: int) -> float:
-        """The engine's recent acceptance rate of drafts of ``kind``."""
-        return self._kinds[kind].rate(FIRST_PRIOR, 1.0)
+        """The engine's recent acceptance rate of drafts of ``kind``; for a kind not explored yet, at least
+        that of a shorter kind that was (see EXPLORED_TRIALS)."""
+        rate = self._kinds[kind].rate(FIRST_PRIOR, 1.0)
+        if self.explored(kind):
+            return rate
+        shorter = (record.rate(FIRST_PRIOR, 1.0) for k, record in self._kinds.items() if k < kind and self.explored(k))
+        return max([rate, *shorter])
 
     def acceptance(self, seq: _Sequence, prior: float, explore: bool = False) -> tuple[float, int]:
         """The expected acceptance of ``seq``'s next draft, whose kind's record gives ``prior``, and the

@@ -657,3 +657,33 @@ def test_a_one_stream_rest_ends_when_the_next_request_starts():
     run_all(engine)
     first_decode = next(pos for _, pos, _ in engine.backend.batches if pos[0] == 74)
     assert len(first_decode) == 5  # the decode and 4 draft tokens
+
+
+def test_an_unexplored_longer_match_is_priced_at_least_as_a_shorter_one_that_was_kept():
+    """Where 2-token matches are being copied, a first 3-token match is no less likely: it is priced at the
+    2-token kind's rate and drafted as deep as the sequence goes, not explored EXPLORE_TOKENS at a time. A
+    shorter kind that failed lends nothing: the longer one is still explored."""
+    from cllm.config import SpeculativeConfig
+    from cllm.request import Request
+    from cllm.speculative import speculator as sp
+
+    def fresh() -> tuple[sp.Speculator, Request, object]:
+        spec = sp.Speculator(SpeculativeConfig(speculative="ngram", speculative_ngram_min=2, speculative_ngram_max=4))
+        req = Request("r", [1, 2, 3], cllm.SamplingParams(max_tokens=100, temperature=0), 100)
+        seq = spec._sequence(req)
+        seq.kind = 2
+        return spec, req, seq
+
+    spec, req, seq = fresh()
+    spec.verified(req, 4, 4, 5)  # a 2-token match's draft, kept whole
+    assert spec.explored(2) and not spec.explored(3)
+    assert spec.prior(3) == spec.prior(2) > sp.FIRST_PRIOR
+    rate, most = spec.acceptance(seq, spec.prior(3), explore=not spec.explored(3))
+    assert rate >= sp.EXPLORE_ACCEPTANCE and most == spec.max_tokens
+
+    spec, req, seq = fresh()
+    spec.verified(req, 4, 0, 1)  # a 2-token match's draft, rejected
+    assert spec.prior(3) == pytest.approx(sp.FIRST_PRIOR)
+    for _ in range(2):
+        seq.rest()
+    assert spec.acceptance(seq, spec.prior(3), explore=True) == (sp.EXPLORE_ACCEPTANCE, sp.EXPLORE_TOKENS)
