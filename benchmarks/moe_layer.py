@@ -10,7 +10,11 @@ at several token counts, in float32 and bfloat16, with random routing:
 - bmm: the pairs padded to the busiest expert's count, one ``torch.bmm`` per projection over all experts;
 - dense: what cllm runs for batches that reach most experts under ``torch.moe_dense_decode``
   (``moe._dense_cpu``): every expert on every token as two prepacked GEMMs over all experts' weights
-  concatenated (a second copy of them), combined by a ``[T, E]`` matrix that is zero off the top-k.
+  concatenated (a second copy of them), combined by a ``[T, E]`` matrix that is zero off the top-k;
+- dense-groups (tried, not kept): the dense form per group of ``--groups`` experts, over only the tokens
+  that chose one of the group's experts (fewer FLOPs, more calls);
+- dense-picked (tried, not kept): the dense GEMMs, with the activation and products over each token's
+  chosen experts only, scattered back into the down GEMM's zero input.
 
     .venv/bin/python benchmarks/moe_layer.py --tokens 1 4 16 32
 """
@@ -77,8 +81,36 @@ def variants(args: argparse.Namespace, dtype: torch.dtype) -> dict[str, Experts]
         y = torch.bmm(F.silu(gate) * up, down_t)[by_expert, slot] * weights.reshape(-1)[order, None]
         return torch.zeros_like(h).index_add_(0, rows, y)
 
+    per_group = E // args.groups
+    groups = [dense_weights(gate_up[g * per_group:(g + 1) * per_group], down[g * per_group:(g + 1) * per_group],
+                            prepack=True) for g in range(args.groups)]
+
+    def dense_groups(h: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        # Dense over each group of E/groups experts, for only the tokens that chose one of them.
+        T = h.shape[0]
+        combine = torch.zeros(T, E, dtype=h.dtype).scatter_(1, experts, weights)
+        hit = combine.view(T, args.groups, per_group).ne(0).any(-1)
+        y = torch.zeros_like(h)
+        for g, (group_gate_up, group_down) in enumerate(groups):
+            rows = hit[:, g].nonzero().squeeze(1)
+            if rows.numel():
+                gate, up = group_gate_up(h.index_select(0, rows)).chunk(2, dim=-1)
+                act = F.silu(gate).mul_(up)
+                act.view(rows.numel(), per_group, -1).mul_(combine.index_select(0, rows)[:, g * per_group:(g + 1) * per_group, None])
+                y.index_add_(0, rows, group_down(act))
+        return y
+
+    def dense_picked(h: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        # The dense GEMMs, but the activation and products only over each token's chosen experts.
+        T, all_gate_up, all_down = h.shape[0], *moe.dense
+        out = all_gate_up(h).view(T, 2, E, I)
+        index = experts[:, :, None].expand(T, args.top_k, I)
+        act = F.silu(out[:, 0].gather(1, index)).mul_(out[:, 1].gather(1, index)).mul_(weights[:, :, None])
+        return all_down(torch.zeros(T, E, I, dtype=h.dtype).scatter_(1, index, act).view(T, E * I))
+
     return {"loop": lambda h, w, e: _looped(h, moe, w, e), "loop-mm": loop_mm, "grouped": grouped, "bmm": bmm,
-            "dense": lambda h, w, e: _dense_cpu(h, moe, w, e)}
+            "dense": lambda h, w, e: _dense_cpu(h, moe, w, e), "dense-groups": dense_groups,
+            "dense-picked": dense_picked}
 
 
 def main() -> None:
@@ -87,6 +119,7 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--width", type=int, default=256, help="each expert's MLP width")
     parser.add_argument("--top-k", type=int, default=8)
+    parser.add_argument("--groups", type=int, default=8, help="dense-groups: groups of experts")
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 16, 32])
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     parser.add_argument("--threads", type=int, default=2)
