@@ -140,8 +140,11 @@ def _process_cpu(pid: int) -> dict[str, float]:
     return out
 
 
-async def _stream(port: int, body: bytes) -> int:
-    """One streamed completion over a raw socket; its completion tokens (from the usage chunk)."""
+async def _stream(port: int, body: bytes) -> tuple[int, float]:
+    """One streamed completion over a raw socket; its completion tokens (from the usage chunk) and its
+    time to the first SSE event, from before connecting."""
+    started = time.perf_counter()
+    first = None
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                  b"Content-Length: " + str(len(body)).encode() + b"\r\nConnection: close\r\n\r\n" + body)
@@ -149,20 +152,23 @@ async def _stream(port: int, body: bytes) -> int:
     tail = b""
     while chunk := await reader.read(1 << 16):
         tail = (tail + chunk)[-4096:]
+        if first is None and b"data: " in tail:
+            first = time.perf_counter() - started
     writer.close()
     marker = tail.rfind(b'"completion_tokens":')
     if marker < 0:
         raise RuntimeError(f"no usage in the stream's end: {tail[-300:]!r}")
     digits = tail[marker + 20:].split(b",")[0].split(b"}")[0]
-    return int(digits)
+    return int(digits), first if first is not None else time.perf_counter() - started
 
 
-def _client(port: int, streams: int, repeats: int, body: bytes, results: "mp.Queue[int]") -> None:
-    async def closed_loop() -> int:
-        return sum([await _stream(port, body) for _ in range(repeats)])
+def _client(port: int, streams: int, repeats: int, body: bytes, results: "mp.Queue[tuple[int, list[float]]]") -> None:
+    async def closed_loop() -> list[tuple[int, float]]:
+        return [await _stream(port, body) for _ in range(repeats)]
 
-    async def run() -> int:
-        return sum(await asyncio.gather(*(closed_loop() for _ in range(streams))))
+    async def run() -> tuple[int, list[float]]:
+        done = [r for loop in await asyncio.gather(*(closed_loop() for _ in range(streams))) for r in loop]
+        return sum(tokens for tokens, _ in done), [ttft for _, ttft in done]
     # uvloop where installed: about half the client CPU of asyncio's loop (the 2 cores are shared with the server)
     results.put(uvloop.run(run()) if uvloop is not None else asyncio.run(run()))
 
@@ -175,15 +181,17 @@ def server_us_per_token(port: int, pid: int, batch: int, mode: str, args: argpar
                        **MODES[mode]}).encode()
     procs_n = min(args.client_procs, batch)
     per = [batch // procs_n + (1 if i < batch % procs_n else 0) for i in range(procs_n)]
-    results: mp.Queue[int] = mp.Queue()
+    results: mp.Queue[tuple[int, list[float]]] = mp.Queue()
     before = _thread_cpu(pid)
     clients_before = resource.getrusage(resource.RUSAGE_CHILDREN)
     procs = [mp.Process(target=_client, args=(port, n, _rounds(batch, args), body, results)) for n in per]
     t0 = time.perf_counter()
     for p in procs:
         p.start()
-    tokens = sum(results.get(timeout=600) for _ in procs)
+    answers = [results.get(timeout=600) for _ in procs]
     wall = time.perf_counter() - t0
+    tokens = sum(n for n, _ in answers)
+    ttfts = sorted(t for _, times in answers for t in times)
     for p in procs:
         p.join()
     after = _thread_cpu(pid)
@@ -198,6 +206,8 @@ def server_us_per_token(port: int, pid: int, batch: int, mode: str, args: argpar
                               - clients_before.ru_stime) / tokens
     split["tokens"] = tokens
     split["tok_s"] = tokens / wall
+    split["ttft_p50_ms"] = 1000 * ttfts[len(ttfts) // 2]  # each request's, from before it connected
+    split["ttft_p90_ms"] = 1000 * ttfts[len(ttfts) * 9 // 10]
     return split
 
 
@@ -251,11 +261,12 @@ def device_proxy(args: argparse.Namespace) -> dict[str, dict]:
                     "engine_thread_us": round(served.get("engine", 0), 1), "event_loop_us": round(served.get("event_loop", 0), 1),
                     "other_us": round(served.get("other", 0), 1), "engine_core_us": round(served.get("engine_core", 0), 1),
                     "clients_us": round(served["clients"], 1),
+                    "ttft_p50_ms": round(served["ttft_p50_ms"], 1), "ttft_p90_ms": round(served["ttft_p90_ms"], 1),
                     "machine_cores_busy": round((served["total"] + served["clients"]) * served["tok_s"] / 1e6, 2)}
                 print(f"served B={b:<4d} lookahead {lookahead:3s}  {served['tok_s']:9,.0f} tok/s  = "
                       f"{served['tok_s'] / bound:.3f} x 1000 x B / max(host, device)  ({_cpu_text(served)}; clients "
                       f"{served['clients']:.1f} µs/token; {out['served'][f'{b}/lookahead_{lookahead}']['machine_cores_busy']:.2f} "
-                      f"cores busy)", flush=True)
+                      f"cores busy; TTFT p50 {served['ttft_p50_ms']:.0f} ms, p90 {served['ttft_p90_ms']:.0f})", flush=True)
         finally:
             proc.terminate()
             proc.wait(timeout=30)

@@ -99,10 +99,12 @@ class Admitted:
 @dataclass(slots=True)
 class StepOutputs:
     """One step's outputs (deltas, packed by pack_output), in step order; with a fresh stats snapshot
-    when one was due."""
+    when one was due. ``settle``: the API process answers with Settled (not for the requests' first
+    outputs that the core sends while it waits for one: see EngineCore._flush_first)."""
 
     outputs: list[tuple]
     snapshot: Snapshot | None
+    settle: bool = True
 
 
 @dataclass(slots=True)

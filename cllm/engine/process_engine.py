@@ -307,9 +307,9 @@ class ProcessEngine:
                     stream.queue.put_nowait(self._unpack(packed, stream))
             if message.snapshot is not None:
                 self._snapshot = message.snapshot
-            # settled once the streams' tasks have run it through (see engine_core.MAX_UNSETTLED)
-            commands = self._commands  # settled to the core that sent it (not to one restarted meanwhile)
-            after_iterations(self._loop, SETTLE_ITERATIONS, lambda: self._settled(commands))
+            if message.settle:  # settled once the streams' tasks have run it through (see engine_core.MAX_UNSETTLED)
+                commands = self._commands  # settled to the core that sent it (not to one restarted meanwhile)
+                after_iterations(self._loop, SETTLE_ITERATIONS, lambda: self._settled(commands))
         elif isinstance(message, Admitted):
             self._admitted(message)
         elif isinstance(message, EmbedDone):

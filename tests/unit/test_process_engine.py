@@ -323,50 +323,79 @@ def test_the_core_loop_ends_when_the_api_process_is_gone(running: bool) -> None:
     api_outputs.close()
 
 
-def test_the_core_holds_outputs_until_the_api_process_settled_the_last_and_merges_them() -> None:
-    """One StepOutputs in flight (engine_core.MAX_UNSETTLED): until the API process answers Settled the
-    core sends no more outputs, while it keeps stepping and merges each request's; the next message
-    then carries every token made meanwhile, in order, and nothing is lost."""
-    import multiprocessing
+class _CoreOnAThread:
+    """An EngineCore on a thread of this process over real pipes, read as the API process reads it."""
 
-    from cllm.engine.core_protocol import AddRequest, Admitted, Settled, StepOutputs, StopCore, decode, encode
-    from cllm.engine.engine_core import EngineCore, Sender
-    from cllm.engine.llm_engine import LLMEngine
+    def __init__(self) -> None:
+        import multiprocessing
 
-    config = load_config(None, environ={}, n_seq_max=2, max_waiting=8, log_level="warning")
-    backend = NullBackend(slots=2, step_ms=1.0)
-    engine = LLMEngine(config, backend=backend)
-    api_commands, core_commands = multiprocessing.Pipe()
-    core_outputs, api_outputs = multiprocessing.Pipe()
-    core = threading.Thread(target=EngineCore(engine, core_commands, Sender(core_outputs)).run, daemon=True)
-    core.start()
+        from cllm.engine.engine_core import EngineCore, Sender
+        from cllm.engine.llm_engine import LLMEngine
 
-    def next_step_outputs(timeout: float) -> StepOutputs | None:
+        config = load_config(None, environ={}, n_seq_max=2, max_waiting=8, log_level="warning")
+        self.backend = NullBackend(slots=2, step_ms=1.0)
+        self.engine = LLMEngine(config, backend=self.backend)
+        self._commands, core_commands = multiprocessing.Pipe()
+        core_outputs, self._outputs = multiprocessing.Pipe()
+        self._core = threading.Thread(target=EngineCore(self.engine, core_commands, Sender(core_outputs)).run, daemon=True)
+        self._core.start()
+
+    def send(self, message: object) -> None:
+        from cllm.engine.core_protocol import encode
+
+        self._commands.send_bytes(encode(message))
+
+    def add(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
+        from cllm.engine.core_protocol import AddRequest
+
+        self.send(AddRequest(request_id, prompt, params, 0, None, prompt))
+
+    def next_step_outputs(self, timeout: float) -> object | None:
         """The next StepOutputs with outputs; a stats-only one is settled at once, as the API process does."""
-        while api_outputs.poll(timeout):
-            message = decode(api_outputs.recv_bytes())
+        from cllm.engine.core_protocol import Admitted, Settled, StepOutputs, decode
+
+        while self._outputs.poll(timeout):
+            message = decode(self._outputs.recv_bytes())
             if isinstance(message, StepOutputs) and message.outputs:
                 return message
             if isinstance(message, StepOutputs):
-                api_commands.send_bytes(encode(Settled()))
+                self.send(Settled())
             else:
                 assert isinstance(message, Admitted) and message.error is None
         return None
 
+    def close(self) -> None:
+        from cllm.engine.core_protocol import StopCore
+
+        self.send(StopCore())
+        self._core.join(10)
+        self.engine.close()
+
+
+def test_the_core_holds_outputs_until_the_api_process_settled_the_last_and_merges_them() -> None:
+    """One StepOutputs in flight (engine_core.MAX_UNSETTLED): until the API process answers Settled the
+    core sends no more outputs, while it keeps stepping and merges each request's; the next message
+    then carries every token made meanwhile, in order, and nothing is lost."""
+    from cllm.engine.core_protocol import Settled
+
+    core = _CoreOnAThread()
     try:
-        params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
-        api_commands.send_bytes(encode(AddRequest("r", [300, 301], params, 0, None, [300, 301])))
-        first = next_step_outputs(5.0)
+        core.add("r", [300, 301], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
+        first = core.next_step_outputs(5.0)
         assert first is not None
-        steps_then = backend.num_forwards
-        assert next_step_outputs(0.2) is None  # unsettled: nothing more is sent ...
-        assert backend.num_forwards > steps_then + 5  # ... while the engine steps on
         tokens = [t for packed in first.outputs for choice in packed[1] for t in choice[7]]
+        while not first.settle:  # a first output sent while a stats message was owed (see the test below)
+            first = core.next_step_outputs(5.0)
+            assert first is not None
+            tokens += [t for packed in first.outputs for choice in packed[1] for t in choice[7]]
+        steps_then = core.backend.num_forwards
+        assert core.next_step_outputs(0.2) is None  # unsettled: nothing more is sent ...
+        assert core.backend.num_forwards > steps_then + 5  # ... while the engine steps on
         finished = False
         messages = 1
         while not finished:
-            api_commands.send_bytes(encode(Settled()))
-            message = next_step_outputs(5.0)
+            core.send(Settled())
+            message = core.next_step_outputs(5.0)
             assert message is not None
             messages += 1
             (packed,) = message.outputs
@@ -375,6 +404,34 @@ def test_the_core_holds_outputs_until_the_api_process_settled_the_last_and_merge
         assert len(tokens) == 40 and messages < 40  # every token once, in fewer messages than steps
         assert packed[1][0][2] == tokens  # the final output's whole token_ids: the deltas, in order
     finally:
-        api_commands.send_bytes(encode(StopCore()))
-        core.join(10)
-        engine.close()
+        core.close()
+
+
+def test_a_requests_first_output_is_sent_at_once_while_the_others_wait_for_settled() -> None:
+    """While the API process owes a Settled, the core holds outputs (see the test above), except a
+    request's first one: the first token's latency is what its client waits on. That message asks for
+    no Settled, so the outputs held for the other request still wait for the one owed."""
+    from cllm.engine.core_protocol import Settled
+
+    core = _CoreOnAThread()
+    try:
+        params = SamplingParams(max_tokens=5000, temperature=0.0, ignore_eos=True)
+        core.add("a", [300, 301], params)
+        first = core.next_step_outputs(5.0)
+        while first is not None and not first.settle:  # a's first output, sent while a stats message was owed
+            first = core.next_step_outputs(5.0)
+        assert first is not None and [p[0] for p in first.outputs] == ["a"]
+        assert core.next_step_outputs(0.2) is None  # "a" is held: a Settled is owed
+        core.add("b", [300, 302], params)
+        message = core.next_step_outputs(5.0)
+        assert message is not None and [p[0] for p in message.outputs] == ["b"] and not message.settle
+        steps_then = core.backend.num_forwards
+        assert core.next_step_outputs(0.2) is None  # b's later outputs and a's wait for the Settled still owed
+        assert core.backend.num_forwards > steps_then + 5
+        core.send(Settled())
+        message = core.next_step_outputs(5.0)
+        assert message is not None and message.settle and sorted(p[0] for p in message.outputs) == ["a", "b"]
+        held = {p[0]: p[1][0][7] for p in message.outputs}  # each one's token_ids_delta, merged while held
+        assert len(held["a"]) > 5 and len(held["b"]) > 5
+    finally:
+        core.close()
