@@ -46,8 +46,8 @@ def main(argv: list[str] | None = None) -> None:
                                 device_ms=args.device_ms)
     # The engine runs as a GPU server's does: --device-ms stands for a GPU, where engine_process auto is on
     # (torch on CUDA); otherwise auto is off (not torch on CUDA) and server.engine_process=on asks for it.
-    in_process = not wants_engine_process(config) and (config.server.engine_process == "off" or not args.device_ms)
-    engine = AsyncLLM(backend=backend(), config=config) if in_process else ProcessEngine(config, backend)
+    own_process = wants_engine_process(config) or (config.server.engine_process == "auto" and bool(args.device_ms))
+    engine = ProcessEngine(config, backend) if own_process else AsyncLLM(backend=backend(), config=config)
     configure_logging(config.server.log_level)
     app = create_app(config, engine)
     server = _DrainingServer(uvicorn_config(app, config), app.state.cllm)  # SIGTERM drains and exits 0, as cllm serve
