@@ -140,21 +140,36 @@ def _process_cpu(pid: int) -> dict[str, float]:
     return out
 
 
-async def _stream(port: int, body: bytes) -> tuple[int, float]:
+_END = b"\r\n0\r\n\r\n"  # the last chunk of a chunked response (SSE bytes never hold a bare CR)
+
+
+async def _stream(port: int, body: bytes, conn: list | None = None) -> tuple[int, float]:
     """One streamed completion over a raw socket; its completion tokens (from the usage chunk) and its
-    time to the first SSE event, from before connecting."""
+    time to the first SSE event, from before connecting. With ``conn`` (a holder for a kept-alive
+    connection, as an HTTP client's pool keeps one), the connection is reused from one request to the next."""
     started = time.perf_counter()
     first = None
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    if conn:
+        reader, writer = conn
+    else:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        if conn is not None:
+            conn[:] = [reader, writer]
     writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                 b"Content-Length: " + str(len(body)).encode() + b"\r\nConnection: close\r\n\r\n" + body)
+                 b"Content-Length: " + str(len(body)).encode() + b"\r\nConnection: "
+                 + (b"keep-alive" if conn is not None else b"close") + b"\r\n\r\n" + body)
     await writer.drain()
     tail = b""
     while chunk := await reader.read(1 << 16):
         tail = (tail + chunk)[-4096:]
         if first is None and b"data: " in tail:
             first = time.perf_counter() - started
-    writer.close()
+        if conn is not None and tail.endswith(_END):
+            break
+    if conn is None or not tail.endswith(_END):
+        writer.close()
+        if conn is not None:
+            conn.clear()
     marker = tail.rfind(b'"completion_tokens":')
     if marker < 0:
         raise RuntimeError(f"no usage in the stream's end: {tail[-300:]!r}")
@@ -162,9 +177,14 @@ async def _stream(port: int, body: bytes) -> tuple[int, float]:
     return int(digits), first if first is not None else time.perf_counter() - started
 
 
-def _client(port: int, streams: int, repeats: int, body: bytes, results: "mp.Queue[tuple[int, list[float]]]") -> None:
+def _client(port: int, streams: int, repeats: int, body: bytes, results: "mp.Queue[tuple[int, list[float]]]",
+            keep_alive: bool = False) -> None:
     async def closed_loop() -> list[tuple[int, float]]:
-        return [await _stream(port, body) for _ in range(repeats)]
+        conn: list | None = [] if keep_alive else None
+        done = [await _stream(port, body, conn) for _ in range(repeats)]
+        if conn:
+            conn[1].close()
+        return done
 
     async def run() -> tuple[int, list[float]]:
         done = [r for loop in await asyncio.gather(*(closed_loop() for _ in range(streams))) for r in loop]
@@ -184,7 +204,8 @@ def server_us_per_token(port: int, pid: int, batch: int, mode: str, args: argpar
     results: mp.Queue[tuple[int, list[float]]] = mp.Queue()
     before = _thread_cpu(pid)
     clients_before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    procs = [mp.Process(target=_client, args=(port, n, _rounds(batch, args), body, results)) for n in per]
+    procs = [mp.Process(target=_client, args=(port, n, _rounds(batch, args), body, results, args.keep_alive))
+             for n in per]
     t0 = time.perf_counter()
     for p in procs:
         p.start()
@@ -349,6 +370,9 @@ def main() -> None:
     parser.add_argument("--client-procs", type=int, default=2)
     parser.add_argument("--min-tokens", type=int, default=32768, help="tokens streamed per level at least (closed loops)")
     parser.add_argument("--rounds", type=int, default=0, help="requests per closed-loop stream (0: from --min-tokens)")
+    parser.add_argument("--keep-alive", action="store_true",
+                        help="each closed-loop stream keeps its connection for its next request (as an HTTP client's "
+                             "pool does) instead of a connection per request")
     parser.add_argument("--step-ms", type=float, default=0.0,
                         help="GPU proxy: simulated device ms per forward (GIL released); reports served vs engine tok/s")
     parser.add_argument("--token-us", type=float, default=0.0, help="GPU proxy: simulated device µs per token of a forward")

@@ -332,12 +332,13 @@ class EngineCore:
             self._held.clear()
 
     def _flush_first(self) -> None:
-        """Send the held outputs that are their requests' first (the first token's latency is what a client
-        waits on) while the rest keep merging until the API process settles: a settling round trip took
-        ~30 ms at 256 streams over the asynchronous simulated device (the first token waited for it)."""
-        first = [rid for rid in self._held if rid not in self._streaming]
-        if first:  # not settled: the outputs held for the API process keep waiting for the Settled it owes
-            self._sender.send(StepOutputs([self._pack(self._held.pop(rid)) for rid in first], None, settle=False))
+        """Send the held outputs that are their requests' first or last (a client waits on the first
+        token, and on the end before it sends its next request) while the rest keep merging until the API
+        process settles: a settling round trip took ~30 ms at 256 streams over the asynchronous simulated
+        device (the first token, and the end, waited for it)."""
+        due = [rid for rid, out in self._held.items() if out.finished or rid not in self._streaming]
+        if due:  # not settled: the outputs held for the API process keep waiting for the Settled it owes
+            self._sender.send(StepOutputs([self._pack(self._held.pop(rid)) for rid in due], None, settle=False))
 
     def _send(self, packed: list[tuple], snapshot: Snapshot | None) -> None:
         self._sender.send(StepOutputs(packed, snapshot))

@@ -147,7 +147,7 @@ class GenerationStream:
         self._pending: list[_Item] = []
         self._remaining = len(prompts)  # engine streams not ended yet
         self._unqueued = len(prompts)  # prompts the engine has not queued yet
-        self._all_queued = asyncio.Event()
+        self._news: asyncio.Future[None] | None = None  # what start() waits on: queued, or an output or error came
         self._metrics = metrics
         self._record = record
         self._prompt_param = prompt_param
@@ -167,7 +167,11 @@ class GenerationStream:
     def _on_queued(self) -> None:
         self._unqueued -= 1
         if self._unqueued == 0:
-            self._all_queued.set()
+            self._tell_start()
+
+    def _tell_start(self) -> None:
+        if self._news is not None and not self._news.done():
+            self._news.set_result(None)
 
     async def _pump(self, index: int, gen: AsyncIterator[RequestOutput]) -> None:
         try:
@@ -193,6 +197,7 @@ class GenerationStream:
         if self._queue.empty():
             self._waiting_since = time.monotonic()
         self._queue.put(item)
+        self._tell_start()
 
     def _on_stall(self, index: int, exc: StreamStalledError) -> None:
         if not self.stalled:
@@ -212,23 +217,18 @@ class GenerationStream:
         errors here; after it, a stream can send its headers at once instead of after the first
         token, which a queued request or a long prefill may take minutes to produce.
         """
-        got = asyncio.ensure_future(self._queue.get())
-        queued = asyncio.ensure_future(self._all_queued.wait())
-        try:
-            await asyncio.wait({got, queued}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for task in (queued, got):
-                if not task.done():
-                    task.cancel()
-                    # asyncio.Queue.get leaves the item queued when cancelled: nothing is lost
-                    with contextlib.suppress(asyncio.CancelledError):
-                        await task
-        if got.cancelled():
+        while self._queue.empty() and self._unqueued:
+            self._news = asyncio.get_running_loop().create_future()  # set by _on_queued or _put (one future,
+            try:                                                     # not two tasks and an asyncio.wait)
+                await self._news
+            finally:
+                self._news = None
+        if self._queue.empty():
             return
-        index, out, exc = got.result()
+        index, out, exc = await self._queue.get()
         if exc is not None:
             raise engine_error(exc, prompt_param=self._prompt_param) from None
-        if out is None and not self._all_queued.is_set():
+        if out is None and self._unqueued:
             raise APIError(500, "the engine ended the request without output", code="internal_error")
         self._pending.append((index, out, exc))
 

@@ -374,13 +374,13 @@ class _CoreOnAThread:
 
 def test_the_core_holds_outputs_until_the_api_process_settled_the_last_and_merges_them() -> None:
     """One StepOutputs in flight (engine_core.MAX_UNSETTLED): until the API process answers Settled the
-    core sends no more outputs, while it keeps stepping and merges each request's; the next message
+    core sends no more outputs (but a first or last one: see the tests below), while it keeps stepping and merges each request's; the next message
     then carries every token made meanwhile, in order, and nothing is lost."""
     from cllm.engine.core_protocol import Settled
 
     core = _CoreOnAThread()
     try:
-        core.add("r", [300, 301], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
+        core.add("r", [300, 301], SamplingParams(max_tokens=1000, temperature=0.0, ignore_eos=True))
         first = core.next_step_outputs(5.0)
         assert first is not None
         tokens = [t for packed in first.outputs for choice in packed[1] for t in choice[7]]
@@ -401,7 +401,7 @@ def test_the_core_holds_outputs_until_the_api_process_settled_the_last_and_merge
             (packed,) = message.outputs
             tokens += packed[1][0][7]  # the choice's token_ids_delta: merged over the steps it was held
             finished = packed[2]
-        assert len(tokens) == 40 and messages < 40  # every token once, in fewer messages than steps
+        assert len(tokens) == 1000 and messages < 1000  # every token once, in fewer messages than steps
         assert packed[1][0][2] == tokens  # the final output's whole token_ids: the deltas, in order
     finally:
         core.close()
@@ -433,5 +433,36 @@ def test_a_requests_first_output_is_sent_at_once_while_the_others_wait_for_settl
         assert message is not None and message.settle and sorted(p[0] for p in message.outputs) == ["a", "b"]
         held = {p[0]: p[1][0][7] for p in message.outputs}  # each one's token_ids_delta, merged while held
         assert len(held["a"]) > 5 and len(held["b"]) > 5
+    finally:
+        core.close()
+
+
+def test_a_requests_last_output_is_sent_at_once_while_the_others_wait_for_settled() -> None:
+    """A request's end is not held for a Settled either: a closed-loop client sends its next request
+    only after it, and a non-streamed response is written only then. Its tokens held meanwhile come
+    with it, merged; the other request's outputs still wait for the Settled owed."""
+    from cllm.engine.core_protocol import Settled
+
+    core = _CoreOnAThread()
+    try:
+        core.add("a", [300, 301], SamplingParams(max_tokens=5000, temperature=0.0, ignore_eos=True))
+        first = core.next_step_outputs(5.0)
+        while first is not None and not first.settle:
+            first = core.next_step_outputs(5.0)
+        assert first is not None and [p[0] for p in first.outputs] == ["a"]  # a Settled is owed from now on
+        core.add("b", [300, 302], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+        tokens: list[int] = []
+        finished = False
+        while not finished:  # b's first output, then its last: neither waits for the Settled owed
+            message = core.next_step_outputs(5.0)
+            assert message is not None and not message.settle and [p[0] for p in message.outputs] == ["b"]
+            (packed,) = message.outputs
+            tokens += packed[1][0][7]
+            finished = packed[2]
+        assert len(tokens) == 12 and packed[1][0][2] == tokens  # every token once, in order
+        assert core.next_step_outputs(0.2) is None  # a's outputs are still held
+        core.send(Settled())
+        message = core.next_step_outputs(5.0)
+        assert message is not None and message.settle and [p[0] for p in message.outputs] == ["a"]
     finally:
         core.close()
