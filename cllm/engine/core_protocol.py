@@ -100,7 +100,7 @@ class Admitted:
 class StepOutputs:
     """One step's outputs (deltas, packed by pack_output), in step order; with a fresh stats snapshot
     when one was due. ``settle``: the API process answers with Settled (not for the requests' first
-    outputs that the core sends while it waits for one: see EngineCore._flush_first)."""
+    and last outputs that the core sends while it waits for one: see EngineCore._flush_ends)."""
 
     outputs: list[tuple]
     snapshot: Snapshot | None

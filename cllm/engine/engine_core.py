@@ -176,7 +176,7 @@ class EngineCore:
         self._owed: collections.deque[float] = collections.deque()
         self._held: dict[str, RequestOutput] = {}  # outputs not sent yet (the API process is behind), merged
         self._scored: set[str] = set()  # requests whose prompt logprobs have been sent
-        self._streaming: set[str] = set()  # requests with an output sent and more to come (see _flush_first)
+        self._streaming: set[str] = set()  # requests with an output sent and more to come (see _flush_ends)
         self._published_at = 0.0
         self._changed = True  # commands ran or steps ran since the last stats sent
         self._steps_short = False  # the last step was short and nothing waits (see async_llm.HANDOVER_INTERVAL_S)
@@ -320,7 +320,7 @@ class EngineCore:
         if not self._held or self._sender.backlog():
             return
         if self._unsettled >= MAX_UNSETTLED:
-            self._flush_first()
+            self._flush_ends()
             return
         if not now and self._steps_short and time.monotonic() - self._sent_at < async_llm.HANDOVER_INTERVAL_S:
             return
@@ -331,7 +331,7 @@ class EngineCore:
             self._send([self._pack(out) for out in self._held.values()], self._snapshot_if_due())
             self._held.clear()
 
-    def _flush_first(self) -> None:
+    def _flush_ends(self) -> None:
         """Send the held outputs that are their requests' first or last (a client waits on the first
         token, and on the end before it sends its next request) while the rest keep merging until the API
         process settles: a settling round trip took ~30 ms at 256 streams over the asynchronous simulated

@@ -53,7 +53,7 @@ from cllm.server.reply import NORMAL_FINISH, ReplyFormat, ReplyStream, read_repl
 from cllm.server.sampling import build_sampling_params
 from cllm.server.serving import ResponseMeta, SSEFraming, StreamFormatter, respond, total_usage
 from cllm.server.state import LoadedModel, get_state
-from cllm.server.streaming import TextEventTemplate, sse_model
+from cllm.server.streaming import TextEvents, sse_model
 from cllm.server.tokens import default_max_tokens
 from cllm.structured.response_format import response_format_constraint
 from cllm.tools import ToolCall, ToolPlan, plan_tools
@@ -225,7 +225,8 @@ class ChatFormatter:
         self._reply = reply or ReplyFormat()
         self._replies: dict[int, ReplyStream] = {}  # choice index -> its reply so far
         self._plain = self._reply.plain  # content passes through as is
-        self._content_events: dict[int, TextEventTemplate] = {}  # choice index -> its plain content event
+        self._content_events = TextEvents(
+            lambda index, text: self._chunk([ChatStreamChoice(index=index, delta=DeltaMessage(content=text))]))
 
     def prelude(self) -> Iterable[bytes]:
         for index in range(self._n):
@@ -251,12 +252,8 @@ class ChatFormatter:
                       reason: str | None) -> Iterable[bytes]:
         """No tools, no reasoning split: the delta is the content (the per-token fast path)."""
         logprobs = chat_logprobs(logprobs_delta) if self._logprobs and logprobs_delta else None
-        if text_delta and logprobs is None:
-            template = self._content_events.get(index)
-            if template is None:
-                template = self._content_events[index] = TextEventTemplate(
-                    lambda t: self._chunk([ChatStreamChoice(index=index, delta=DeltaMessage(content=t))]))
-            yield template.render(text_delta)
+        if text_delta and logprobs is None:  # the per-token case
+            yield self._content_events.render(index, text_delta)
         elif text_delta or logprobs:
             delta = DeltaMessage(content=text_delta or None)
             yield sse_model(self._chunk([ChatStreamChoice(index=index, delta=delta, logprobs=logprobs)]))

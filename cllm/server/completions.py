@@ -30,7 +30,7 @@ from cllm.server.protocol import (
 from cllm.server.sampling import build_sampling_params
 from cllm.server.serving import ResponseMeta, respond, total_usage
 from cllm.server.state import get_state
-from cllm.server.streaming import TextEventTemplate, sse_model
+from cllm.server.streaming import TextEvents, sse_model
 
 # Prompts in one batched request; each becomes its own engine request.
 MAX_PROMPTS = 128
@@ -82,7 +82,7 @@ class CompletionFormatter:
         self._echo = echo
         self._echo_chars: dict[int, int] = {}  # choice index -> length of its echoed prompt (sent in its first chunk)
         self._finished: set[int] = set()  # choices whose finish_reason was sent
-        self._text_events: dict[int, TextEventTemplate] = {}  # choice index -> its plain text event
+        self._text_events = TextEvents(lambda index, text: self._chunk([CompletionChoice(index=index, text=text)]))
 
     def prelude(self) -> Iterable[bytes]:
         return ()
@@ -116,11 +116,7 @@ class CompletionFormatter:
         elif logprobs is not None and index in self._echo_chars:  # output offsets count the echoed prompt
             logprobs = concat_logprobs(completion_logprobs([]), logprobs, shift=self._echo_chars[index])
         elif logprobs is None:  # text alone, the per-token case
-            template = self._text_events.get(index)
-            if template is None:
-                template = self._text_events[index] = TextEventTemplate(
-                    lambda t: self._chunk([CompletionChoice(index=index, text=t)]))
-            return template.render(text)
+            return self._text_events.render(index, text)
         return sse_model(self._chunk([CompletionChoice(index=index, text=prefix + text, logprobs=logprobs)]))
 
     def usage_chunk(self, usage: UsageInfo) -> bytes:

@@ -48,6 +48,21 @@ class TextEventTemplate:
         return self._head + to_json(text) + self._tail
 
 
+class TextEvents:
+    """A TextEventTemplate per choice index, made on the choice's first text event."""
+
+    def __init__(self, make: Callable[[int, str], BaseModel]) -> None:
+        """``make(index, text)``: the chunk with choice ``index``'s ``text``."""
+        self._make = make
+        self._templates: dict[int, TextEventTemplate] = {}
+
+    def render(self, index: int, text: str) -> bytes:
+        template = self._templates.get(index)
+        if template is None:
+            template = self._templates[index] = TextEventTemplate(lambda t: self._make(index, t))
+        return template.render(text)
+
+
 def sse_json(payload: dict[str, Any]) -> bytes:
     """One ``data:`` event holding a plain JSON object (used for error events)."""
     return b"data: " + json.dumps(payload, ensure_ascii=False).encode() + b"\n\n"
