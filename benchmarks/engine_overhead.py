@@ -40,6 +40,12 @@ max(host, D) when the overlap works); then the served output tok/s (the null ser
 closed-loop streams) against ``1000 x B / max(host, D)``, lookahead off and on, alternating. E.g.
 
     .venv/bin/python benchmarks/engine_overhead.py --device-ms 5 --json results.json
+
+A closed-loop run of a few rounds pays for its start and end: every stream's first request arrives at
+once (at 256 streams the API process admits them over ~0.3 s, during which few slots run) and the last
+round drains unevenly. ``--steady`` adds, per level, a second run of 4x the rounds and reports the
+difference of the two (extra tokens over extra wall time): the rate once the streams run, which a
+long-lived server sees.
 """
 from __future__ import annotations
 
@@ -140,6 +146,7 @@ def _process_cpu(pid: int) -> dict[str, float]:
     return out
 
 
+STEADY_ROUNDS = 4  # --steady: the second run's rounds, as a multiple of the first's
 _END = b"\r\n0\r\n\r\n"  # the last chunk of a chunked response (SSE bytes never hold a bare CR)
 
 
@@ -288,10 +295,27 @@ def device_proxy(args: argparse.Namespace) -> dict[str, dict]:
                       f"{served['tok_s'] / bound:.3f} x 1000 x B / max(host, device)  ({_cpu_text(served)}; clients "
                       f"{served['clients']:.1f} µs/token; {out['served'][f'{b}/lookahead_{lookahead}']['machine_cores_busy']:.2f} "
                       f"cores busy; TTFT p50 {served['ttft_p50_ms']:.0f} ms, p90 {served['ttft_p90_ms']:.0f})", flush=True)
+                if args.steady:
+                    steady = steady_tok_s(served, port, proc.pid, b, args)
+                    out["served"][f"{b}/lookahead_{lookahead}"].update(
+                        steady_tok_s=round(steady, 1), steady_ratio=round(steady / bound, 3))
+                    print(f"served B={b:<4d} lookahead {lookahead:3s}  {steady:9,.0f} tok/s steady (without the opening "
+                          f"burst and the last round's drain) = {steady / bound:.3f} x 1000 x B / max(host, device)", flush=True)
         finally:
             proc.terminate()
             proc.wait(timeout=30)
     return out
+
+
+def steady_tok_s(served: dict[str, float], port: int, pid: int, batch: int, args: argparse.Namespace) -> float:
+    """The closed loops' steady output tok/s: a second run of ``STEADY_ROUNDS`` times the rounds of ``served``'s,
+    and the difference of the two in tokens over the difference in wall time. Both runs pay once for what is
+    not steady (the clients' start, every stream's first request arriving at once, the last round draining
+    unevenly), so the difference is what the extra rounds cost."""
+    longer = argparse.Namespace(**{**vars(args), "rounds": STEADY_ROUNDS * _rounds(batch, args)})
+    long = server_us_per_token(port, pid, batch, "greedy", longer)
+    extra_wall = long["tokens"] / long["tok_s"] - served["tokens"] / served["tok_s"]
+    return (long["tokens"] - served["tokens"]) / extra_wall
 
 
 # ------------------------------------------------------------------------------ GPU proxy (--step-ms)
@@ -379,6 +403,8 @@ def main() -> None:
     parser.add_argument("--device-ms", type=float, default=0.0,
                         help="asynchronous device proxy: each forward completes this many ms after its launch; "
                              "reports step vs host vs device, lookahead off and on")
+    parser.add_argument("--steady", action="store_true",
+                        help="--device-ms: also the served steady rate (a second run of 4x the rounds; the difference)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="the null server's config override")
     parser.add_argument("--skip-server", action="store_true")
     parser.add_argument("--json", type=Path, help="write the results here")

@@ -16,7 +16,9 @@ ignored; tokens/s = C * tokens / wall time (prefill included):
 
 Both run in ``--dtype`` (float32, or bfloat16: what MoE checkpoints ship in, and cllm's default on a
 CPU with native bf16 matmul) on the same ``--threads``. Best of ``--repeats`` per cell; each
-repeat uses fresh prompts so no prefix cache serves one repeat from another.
+repeat uses fresh prompts so no prefix cache serves one repeat from another. The runners take turns
+on each repeat's prompts, and with two of them the table is followed by their ratio repeat by repeat
+(back-to-back runs of the same prompts: the figure a drifting machine disturbs least).
 
     .venv/bin/python benchmarks/torch_moe.py --threads 2 --levels 1 16 --tokens 32 \\
         --out benchmarks/results/torch_moe_<machine>_<date>/result.json
@@ -86,15 +88,19 @@ def make_prompts(level: int, repeat: int, args: argparse.Namespace) -> list[list
     return rng.integers(3, VOCAB, size=(level, args.prompt_tokens)).tolist()
 
 
-def best_rate(run: Runner, level: int, args: argparse.Namespace) -> float:
-    """Generated tokens per second, best of ``args.repeats``."""
-    rates = []
-    for r in range(args.repeats):
-        prompts = make_prompts(level, r, args)
-        start = time.perf_counter()
-        tokens = run(prompts, args.tokens)
-        rates.append(tokens / (time.perf_counter() - start))
-    return max(rates)
+def rates_by_turns(runners: dict[str, Runner], args: argparse.Namespace) -> dict[str, dict[int, list[float]]]:
+    """Generated tokens per second of every repeat, per runner and level. The runners take turns on each
+    repeat's prompts, so a drift of the machine's speed during the run (this VM's drifts by up to a third
+    within an hour) falls on all of them alike."""
+    rates: dict[str, dict[int, list[float]]] = {name: {level: [] for level in args.levels} for name in runners}
+    for level in args.levels:
+        for r in range(args.repeats):
+            prompts = make_prompts(level, r, args)
+            for name, run in runners.items():
+                start = time.perf_counter()
+                tokens = run(prompts, args.tokens)
+                rates[name][level].append(tokens / (time.perf_counter() - start))
+    return rates
 
 
 def cllm_runner(args: argparse.Namespace, path: Path) -> tuple[str, Runner]:
@@ -173,24 +179,34 @@ def main() -> None:
         if not (path / "config.json").is_file():
             build_model(args, path)
         runners = dict([cllm_runner(args, path)] + ([] if args.no_hf else [hf_runner(args, path)]))
-        table = {name: [best_rate(run, level, args) for level in args.levels] for name, run in runners.items()}
-    report(args, table)
+        rates = rates_by_turns(runners, args)
+    report(args, rates)
 
 
-def report(args: argparse.Namespace, table: dict[str, list[float]]) -> None:
+def report(args: argparse.Namespace, rates: dict[str, dict[int, list[float]]]) -> None:
+    """The best rate of each cell; with two runners, also their ratio repeat by repeat (the same prompts, back to back)."""
+    table = {name: [max(by_level[level]) for level in args.levels] for name, by_level in rates.items()}
     shape = (f"{args.arch}: hidden {args.hidden}, {args.layers} layers, {args.experts} experts top {args.top_k}, "
              f"expert width {args.moe_intermediate}, heads {args.heads}/{args.kv_heads}, vocab {VOCAB}")
     print(f"decode tokens/s, {shape}; {args.dtype} CPU, {args.threads} threads, {args.prompt_tokens}-token prompts, "
           f"{args.tokens} tokens per sequence, best of {args.repeats}")
     width = max(map(len, table)) + 2
     print("runner".ljust(width) + "".join(f"{f'C={c}':>10}" for c in args.levels))
-    for name, rates in table.items():
-        print(name.ljust(width) + "".join(f"{r:>10.1f}" for r in rates))
+    for name, best in table.items():
+        print(name.ljust(width) + "".join(f"{r:>10.1f}" for r in best))
+    paired = {}
+    if len(rates) == 2:
+        first, second = rates.values()
+        paired = {str(level): [round(a / b, 3) for a, b in zip(first[level], second[level])] for level in args.levels}
+        print("first / second, repeat by repeat: " + "; ".join(f"C={c}: {', '.join(f'{x:.2f}' for x in v)}"
+                                                             for c, v in paired.items()))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         result = {"shape": shape, "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
                   "machine": platform.processor() or platform.machine(), "torch": torch.__version__,
-                  "tokens_per_s": {name: dict(zip(map(str, args.levels), rates)) for name, rates in table.items()}}
+                  "tokens_per_s": {name: dict(zip(map(str, args.levels), best)) for name, best in table.items()},
+                  "every_repeat": {name: {str(lv): r for lv, r in by_level.items()} for name, by_level in rates.items()},
+                  "ratio_by_repeat": paired}
         args.out.write_text(json.dumps(result, indent=2) + "\n")
         print(f"wrote {args.out}")
 

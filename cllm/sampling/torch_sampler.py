@@ -60,12 +60,13 @@ def sample_on_device(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> Devic
         raise ValueError(f"logits of shape {tuple(logits.shape)} for {len(rows)} sequences (want [{len(rows)}, vocab])")
     if logits.dtype != torch.float32:
         raise ValueError(f"logits dtype {logits.dtype}: the sampler works in float32, as the numpy one")
-    _apply_biases_and_penalties(logits, rows)
-    logprob_rows = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+    logprob_rows = []
+    if any(r.adjusted for r in rows):  # (one scan of a plain batch, not one per setting)
+        _apply_biases_and_penalties(logits, rows)
+        logprob_rows = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
     logprobs = torch.log_softmax(logits[logprob_rows], dim=-1) if logprob_rows else None
-    greedy = [r.params.greedy for r in rows]
     chosen = logits.argmax(dim=1)
-    stochastic = [i for i, g in enumerate(greedy) if not g]
+    stochastic = [i for i, r in enumerate(rows) if r.params.temperature != 0.0]
     if stochastic:
         index = torch.tensor(stochastic, device=logits.device)
         chosen[index] = _draw(logits.index_select(0, index), [rows[i] for i in stochastic])

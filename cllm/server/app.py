@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
+import os
 import signal
 import sys
 from types import FrameType
@@ -54,6 +56,7 @@ def create_app(config: CllmConfig, engine: Any | None = None, engines: dict[str,
         lifespan=lifespan_for(state, engine, engines),
         docs_url="/docs",
         redoc_url=None,
+        **_telemetry_settings(),
     )
     app.state.cllm = state
     app.state.system_fingerprint = system_fingerprint(config)  # one value for the process's whole life
@@ -84,6 +87,15 @@ def create_app(config: CllmConfig, engine: Any | None = None, engines: dict[str,
     app.add_middleware(AnthropicErrorMiddleware)
     app.add_middleware(AccessLogMiddleware, on_done=count_response)
     return app
+
+
+def _telemetry_settings() -> dict[str, Any]:
+    """FastAPI's native OpenTelemetry (0.16x+) asks the global providers on every request whether any is
+    configured (~2 % of the API process's loop at 256 streams, an environment read among it); turn it off
+    unless the process was started with OpenTelemetry configured (an ``OTEL_*`` variable)."""
+    if "telemetry" not in inspect.signature(FastAPI.__init__).parameters or any(k.startswith("OTEL_") for k in os.environ):
+        return {}
+    return {"telemetry": {"tracing": False, "metrics": False, "logs": False}}
 
 
 class _DrainingServer(uvicorn.Server):

@@ -2,16 +2,18 @@
 lone surrogates, and unhandled errors counted as 500."""
 from __future__ import annotations
 
+import inspect
+import os
 import time
 
 import pytest
-from fastapi import Request
+from fastapi import FastAPI, Request
 from fastapi.testclient import TestClient
 
 import cllm
 from cllm.engine.prompt_ids import INLINE_PROMPT_LEN
 from cllm.server import routes
-from cllm.server.app import create_app
+from cllm.server.app import _telemetry_settings, create_app
 from tests.unit.fakes import FakeBackend, fake_config
 
 
@@ -183,3 +185,21 @@ def test_token_lists_detokenize_and_async_chat_stay_off_the_event_loop():
     finally:
         asyncio.run(engine.shutdown())
     assert finish == "length" and rendered_in and caller not in rendered_in
+
+
+@pytest.mark.parametrize("otel_env", [None, "OTEL_TRACES_EXPORTER"])
+def test_fastapi_native_telemetry_runs_only_where_opentelemetry_is_configured(monkeypatch, otel_env):
+    """FastAPI's native telemetry (0.16x) asks the global providers on every request whether one is
+    configured (~2 % of the event loop at 256 streams): off, unless an OTEL_* variable says the process
+    uses OpenTelemetry. A FastAPI without it gets no such argument."""
+    for key in [k for k in os.environ if k.startswith("OTEL_")]:
+        monkeypatch.delenv(key)
+    if otel_env:
+        monkeypatch.setenv(otel_env, "none")
+    app = fake_app()
+    if "telemetry" not in inspect.signature(FastAPI.__init__).parameters:
+        assert _telemetry_settings() == {}
+    else:
+        assert [app._telemetry[k] for k in ("tracing", "metrics", "logs")] == [bool(otel_env)] * 3
+    with TestClient(app, base_url="http://localhost") as client:
+        assert client.get("/health").json() == {"status": "ok"}
