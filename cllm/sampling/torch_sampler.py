@@ -60,7 +60,7 @@ def sample_on_device(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> Devic
         raise ValueError(f"logits of shape {tuple(logits.shape)} for {len(rows)} sequences (want [{len(rows)}, vocab])")
     if logits.dtype != torch.float32:
         raise ValueError(f"logits dtype {logits.dtype}: the sampler works in float32, as the numpy one")
-    logprob_rows = []
+    logprob_rows: list[int] = []
     if any(r.adjusted for r in rows):  # (one scan of a plain batch, not one per setting)
         _apply_biases_and_penalties(logits, rows)
         logprob_rows = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
