@@ -31,6 +31,12 @@ llama best; chat >= 0.97x; at 16 and 64 clients >= 0.97x cllm without speculatio
 
     .venv/bin/python benchmarks/speculative.py --json benchmarks/results/speculative.json   # ~15 min
     .venv/bin/python benchmarks/speculative.py --rounds 1 --clients 16 --quick               # iteration
+
+Fresh servers of the same settings differ here by 5-10 % in one-stream tok/s, so a ratio of two servers
+over a few rounds carries that noise. ``--per-request`` measures speculation on one server instead: each
+prompt twice, with the request's ``speculative: false`` and without, alternating, prefix cache off
+("cllm" in the table is then the same server's requests without speculation; the speculator's own
+per-step bookkeeping, ~0.6 % of a step on chat, is paid on both sides).
 """
 from __future__ import annotations
 
@@ -131,7 +137,7 @@ def prompt_sets() -> dict[str, list[str]]:
 SYSTEMS = ["cllm", "cllm-ngram", "cllm-ngram-b", "llama", "llama-ngram-simple", "llama-ngram-map-k", "llama-ngram-mod"]
 
 
-def start(system: str, args: argparse.Namespace, binary: Path | None) -> BenchServer:
+def start(system: str, args: argparse.Namespace, binary: Path | None, extra: tuple[str, ...] = ()) -> BenchServer:
     port = free_port()
     slots = max([1] + args.clients)
     n_ctx = str(slots * args.ctx_per_slot)
@@ -148,13 +154,14 @@ def start(system: str, args: argparse.Namespace, binary: Path | None) -> BenchSe
                "--speculative", "ngram" if system.startswith("cllm-ngram") else "off"]
         if system == "cllm-ngram-b":  # the same server with other settings, for an A/B in one run
             cmd += [arg for setting in args.b_set for arg in ("--set", setting)]
-    return BenchServer(system, cmd, port)
+    return BenchServer(system, [*cmd, *extra], port)
 
 
 # ------------------------------------------------------------------------------------------ client
-async def one_request(client: httpx.AsyncClient, url: str, prompt: str, max_tokens: int) -> dict[str, float | str]:
+async def one_request(client: httpx.AsyncClient, url: str, prompt: str, max_tokens: int,
+                      **fields: object) -> dict[str, float | str]:
     body = {"model": "m", "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
-            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}, **fields}
     start = time.perf_counter()
     first = last = None
     text, tokens = [], 0
@@ -186,6 +193,19 @@ async def one_stream(url: str, prompts: list[str], max_tokens: int) -> list[dict
     limits = httpx.Limits(max_keepalive_connections=0)
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:
         return [await one_request(client, url, p, max_tokens) for p in prompts]
+
+
+async def paired_stream(url: str, prompts: list[str], max_tokens: int, off_first: bool) -> tuple[list[dict], list[dict]]:
+    """Each prompt twice on one server, with the request's ``speculative: false`` and without it, the order
+    alternating from prompt to prompt (``off_first``: the first prompt's): (off results, on results)."""
+    limits = httpx.Limits(max_keepalive_connections=0)
+    off, on = [], []
+    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+        for i, prompt in enumerate(prompts):
+            for speculate in ((False, True) if (i % 2 == 0) == off_first else (True, False)):
+                fields = {} if speculate else {"speculative": False}
+                (on if speculate else off).append(await one_request(client, url, prompt, max_tokens, **fields))
+    return off, on
 
 
 async def closed_loops(url: str, prompts: list[str], clients: int, requests: int, max_tokens: int) -> float:
@@ -220,12 +240,14 @@ def copied_share(prompt_ids: list[int], output_ids: list[int], run: int = 8) -> 
 
 # ------------------------------------------------------------------------------------------ main
 def run(args: argparse.Namespace) -> dict:
-    binary = build_llama_server() if any(s.startswith("llama") for s in args.systems) else None
     sets = prompt_sets()
     if args.sets:
         sets = {name: sets[name] for name in args.sets}
     if args.quick:
         sets = {name: prompts[:2] for name, prompts in sets.items()}
+    if args.per_request:
+        return run_per_request(args, sets)
+    binary = build_llama_server() if any(s.startswith("llama") for s in args.systems) else None
     single: dict[str, dict[str, list[dict]]] = {s: {name: [] for name in sets} for s in args.systems}
     busy: dict[str, dict[int, list[float]]] = {s: {c: [] for c in args.clients} for s in args.systems if s.startswith("cllm")}
     mixed = [p for name in ("copy", "chat") for p in sets.get(name, [])] or [p for ps in sets.values() for p in ps]
@@ -264,6 +286,35 @@ def run(args: argparse.Namespace) -> dict:
     report = summarize(single, busy, sets)
     report["busy_drafts"] = {str(c): rounds for c, rounds in drafted.items()}
     report["failures"] = failures
+    return report
+
+
+def run_per_request(args: argparse.Namespace, sets: dict[str, list[str]]) -> dict:
+    """``--per-request``: one ``cllm-ngram`` server per round; "cllm" are its requests sent with
+    ``speculative: false``. Fresh servers of the same settings differ by 5-10 % in one-stream tok/s here
+    (benchmarks/results/speculative_2026-11-29), which a few rounds of one server per system do not
+    average out; requests on one server do not see it. The prefix cache is off there: the second request
+    of a prompt would read it from the cache, which llama.cpp can round differently from computing it
+    (issue 42), and then its greedy text, and how much of it copies the prompt, may differ."""
+    single: dict[str, dict[str, list[dict]]] = {s: {name: [] for name in sets} for s in ("cllm", "cllm-ngram")}
+    for round_no in range(args.rounds):
+        server = start("cllm-ngram", args, None, ("--set", "prefix_cache=false"))
+        try:
+            asyncio.run(one_stream(server.url, [CHAT[0]], 8))  # warm-up
+            for name, prompts in sets.items():
+                off, on = asyncio.run(paired_stream(server.url, prompts, args.max_tokens, off_first=round_no % 2 == 0))
+                single["cllm"][name] += off
+                single["cllm-ngram"][name] += on
+        except Exception:
+            print(Path(server.log.name).read_text(errors="replace")[-2000:], file=sys.stderr)
+            raise
+        finally:
+            server.stop()
+        print(f"round {round_no + 1}: done", file=sys.stderr, flush=True)
+    if args.json:
+        args.json.with_suffix(".raw.json").write_text(json.dumps({"single": single}, indent=1))
+    report = summarize(single, {}, sets)
+    report["busy_drafts"], report["failures"] = {}, []
     return report
 
 
@@ -360,6 +411,9 @@ def main() -> None:
     p.add_argument("--b-set", action="append", default=[], metavar="NAME=VALUE",
                    help="settings of the cllm-ngram-b system (cllm-ngram with these --set), e.g. speculative_ngram_min=3")
     p.add_argument("--quick", action="store_true", help="two prompts per set")
+    p.add_argument("--per-request", action="store_true",
+                   help="one stream only, cllm-ngram against itself: each prompt sent with the request's speculative: "
+                        "false and without, on one server per round (no fresh-server variance; see run_per_request)")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
     args.model = str(resolve_model_path(args.model))
