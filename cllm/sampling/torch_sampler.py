@@ -66,7 +66,7 @@ def sample_on_device(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> Devic
         logprob_rows = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
     logprobs = torch.log_softmax(logits[logprob_rows], dim=-1) if logprob_rows else None
     chosen = logits.argmax(dim=1)
-    stochastic = [i for i, r in enumerate(rows) if r.params.temperature != 0.0]
+    stochastic = [i for i, r in enumerate(rows) if not r.params.greedy]
     if stochastic:
         index = torch.tensor(stochastic, device=logits.device)
         chosen[index] = _draw(logits.index_select(0, index), [rows[i] for i in stochastic])
