@@ -11,9 +11,10 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import functools
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from cllm.outputs import RequestOutput, merge_outputs
@@ -158,8 +159,13 @@ class GenerationStream:
         self._quiet_timer: asyncio.TimerHandle | None = None  # see _arm_quiet_timer
         self._last_item_at = time.monotonic()
         self.num_choices = params.n
+        # Each prompt's outputs come straight from the engine's reader where it can hand them over
+        # (ProcessEngine.open_stream: no task per output); otherwise a task pumps its engine stream.
+        self._closers: list[Callable[[], None] | None] = [None] * len(prompts)
+        opener = getattr(engine, "open_stream", None)
         self._tasks = [
-            asyncio.ensure_future(self._pump(i, engine.generate(p, params, request_id=rid, priority=priority,
+            asyncio.ensure_future(self._open(i, opener, p, params, rid, priority) if opener is not None else
+                                  self._pump(i, engine.generate(p, params, request_id=rid, priority=priority,
                                                                 on_queued=self._on_queued)))
             for i, (p, rid) in enumerate(zip(prompts, ids))
         ]
@@ -193,6 +199,40 @@ class GenerationStream:
             return
         self._put((index, None, None))
 
+    async def _open(self, index: int, opener: Callable[..., Any], prompt: Prompt, params: SamplingParams, request_id: str,
+                    priority: int) -> None:
+        """Register prompt ``index`` with the engine, its outputs going to :meth:`_take` (a refusal is queued)."""
+        try:
+            self._closers[index] = await opener(prompt, params, request_id=request_id, priority=priority,
+                                                on_queued=self._on_queued, sink=functools.partial(self._take, index))
+        except Exception as exc:  # handed to the consumer, which decides the response
+            self._put((index, None, exc))
+
+    def _take(self, index: int, item: RequestOutput | BaseException) -> None:
+        """The engine's reader: prompt ``index``'s next output, or the exception that ends it (as _pump)."""
+        if isinstance(item, BaseException):
+            self._put((index, None, item))
+            return
+        now = time.monotonic()
+        self._last_item_at = now
+        if self._queue and now - max(self._taken_at, self._waiting_since) > self._stall_timeout_s:
+            self._close_engine_stream(index)
+            self._on_stall(index, StreamStalledError(
+                f"the client read nothing for {self._stall_timeout_s:g} s (stream_stall_timeout_s) while "
+                "output waited: request aborted"))
+            return
+        self._put((index, item, None))
+        if item.finished:
+            self._put((index, None, None))
+
+    def _close_engine_stream(self, index: int) -> None:
+        """End prompt ``index``'s engine stream (an unfinished request is aborted)."""
+        self._tasks[index].cancel()  # a pump closes its engine stream; an open still running registers nothing
+        closer = self._closers[index]
+        if closer is not None:
+            self._closers[index] = None
+            closer()
+
     def _put(self, item: Any) -> None:
         if self._queue.empty():
             self._waiting_since = time.monotonic()
@@ -203,9 +243,9 @@ class GenerationStream:
         if not self.stalled:
             self.stalled = True
             log.warning("stream %s: %s", self._record.request_id if self._record is not None else "?", exc)
-            for i, task in enumerate(self._tasks):
+            for i in range(len(self._tasks)):
                 if i != index:
-                    task.cancel()  # closes (aborts) the other prompts' engine streams
+                    self._close_engine_stream(i)  # aborts the other prompts' requests
             if self._lease is not None:  # the requests are aborted: their sequences hold the client's share no more
                 self._lease.release()  # (the response may stay blocked in its send until the write timeout)
         self._put((index, None, APIError(408, str(exc), code="stream_stalled")))
@@ -299,8 +339,8 @@ class GenerationStream:
             self._quiet_timer.cancel()
         # Everything but the wait happens before the first await: when the client left, the response
         # is being cancelled, and anyio cancels every await in its scope again.
-        for task in self._tasks:
-            task.cancel()  # the pump's cancellation closes its engine stream, which aborts the request
+        for i in range(len(self._tasks)):
+            self._close_engine_stream(i)  # aborts the request if unfinished
         if self._lease is not None:
             self._lease.release()
         unfinished = sum(1 for f in self.finals if f is None)

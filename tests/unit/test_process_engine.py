@@ -116,6 +116,67 @@ def test_a_caller_that_stops_early_aborts_its_request_in_the_core() -> None:
     assert running == [] and finished == {"abort": 1}
 
 
+async def _open(engine: ProcessEngine, prompt: object, params: SamplingParams = GREEDY,
+                **kwargs: object) -> tuple[list[object], asyncio.Future, object]:
+    """open_stream with a sink that records its items: (items, a future set at the last one, close)."""
+    items: list[object] = []
+    ended = asyncio.get_running_loop().create_future()
+
+    def sink(item: object) -> None:
+        assert not ended.done(), "an item after the request ended"
+        items.append(item)
+        if isinstance(item, BaseException) or item.finished:
+            ended.set_result(None)
+    close = await engine.open_stream(prompt, params, sink=sink, **kwargs)
+    return items, ended, close
+
+
+def test_open_stream_hands_every_output_to_the_sink_in_order_and_close_aborts() -> None:
+    """The server's path (GenerationStream): no task per request, the reader calls each request's sink;
+    the last call is the finished output, after which the request holds nothing; close() of an
+    unfinished request aborts it in the core, once."""
+    engine = _engine(backend=functools.partial(NullBackend, slots=8, step_ms=2.0))
+
+    async def run() -> None:
+        try:
+            opened = [await _open(engine, [300 + i, 301, 302]) for i in range(20)]
+            await asyncio.gather(*(ended for _, ended, _ in opened))
+            for items, _, close in opened:
+                assert items[-1].finished and not any(o.finished for o in items[:-1])
+                tokens = [t for o in items for t in o.outputs[0].token_ids_delta]
+                assert len(tokens) == 12 and items[-1].outputs[0].token_ids == tokens
+                close()  # ended: nothing to abort
+            assert engine._streams == {} and "abort" not in engine.stats().requests_finished
+            params = SamplingParams(max_tokens=2000, temperature=0.0, ignore_eos=True)
+            items, ended, close = await _open(engine, [300, 301], params, request_id="leaver")
+            await _wait_for(lambda: items)
+            close()
+            close()  # idempotent
+            assert engine._streams == {}
+            await _wait_for(lambda: engine.stats().requests_finished.get("abort") == 1)
+            assert not ended.done() and _running_ids(engine) == []
+        finally:
+            await engine.shutdown()
+    asyncio.run(run())
+
+
+def test_open_stream_refusals_raise_and_a_dying_core_ends_each_sink_with_its_error() -> None:
+    engine = _engine(backend=functools.partial(DyingBackend, 3, slots=8), restart=RestartPolicy(max_restarts=0))
+
+    async def run() -> None:
+        try:
+            with pytest.raises(ContextLengthError):
+                await _open(engine, [300] * 10, SamplingParams(max_tokens=40000))
+            assert engine._streams == {}
+            items, ended, _ = await _open(engine, [300, 301])
+            await asyncio.wait_for(ended, 30)
+            assert isinstance(items[-1], EngineDeadError) and "device lost" in str(items[-1])
+            assert engine._streams == {}
+        finally:
+            await engine.shutdown()
+    asyncio.run(run())
+
+
 def test_bad_input_fails_before_queueing_and_core_errors_reach_the_caller() -> None:
     engine = _engine()
 
