@@ -21,6 +21,7 @@ per prompt set: median and mean over its prompts, and the mean against no specul
     .venv/bin/python benchmarks/spec_policy.py                                  # the defaults against off
     .venv/bin/python benchmarks/spec_policy.py --policy FIRST_DEPTH=4 --policy FIRST_DEPTH=12
     .venv/bin/python benchmarks/spec_policy.py --policy num_speculative_tokens=32 --sets list chat
+    .venv/bin/python benchmarks/spec_policy.py --deterministic --policy MIN_GAIN=0.05   # same text for all
 """
 from __future__ import annotations
 
@@ -38,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from speculative import prompt_sets  # noqa: E402
 
 import cllm  # noqa: E402
+from cllm.speculative import planner as plan_module  # noqa: E402
 from cllm.speculative import speculator as spec_module  # noqa: E402
 
 CURVE_TOKENS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 40)
@@ -72,16 +74,19 @@ def pricer(curve: dict[int, float]):
 
 
 def run_policy(settings: dict[str, float], sets: dict[str, list[str]], price, max_tokens: int,
-               report_pass: int = 1) -> dict[str, list[float]]:
-    """Modeled decode tok/s of every prompt under ``settings`` (speculator constants and
+               report_pass: int = 1, deterministic: bool = False,
+               texts: list[int] | None = None) -> dict[str, list[float]]:
+    """Modeled decode tok/s of every prompt under ``settings`` (speculator or planner constants and
     ``num_speculative_tokens``; ``speculative=off`` for the baseline), in pass ``report_pass`` (0: a
-    fresh engine's first requests, as each round of benchmarks/speculative.py serves them; 1: warm)."""
+    fresh engine's first requests, as each round of benchmarks/speculative.py serves them; 1: warm).
+    ``texts`` gets a hash of each reported output's tokens."""
     settings = dict(settings)
     method = str(settings.pop("speculative", "ngram"))
-    kwargs: dict[str, object] = {"speculative": method}
-    for name in [n for n in settings if not hasattr(spec_module, n)]:  # settings (num_speculative_tokens, ...)
+    kwargs: dict[str, object] = {"speculative": method, "deterministic": deterministic}
+    module = {name: spec_module if hasattr(spec_module, name) else plan_module for name in settings}
+    for name in [n for n in settings if not hasattr(module[n], n)]:  # settings (num_speculative_tokens, ...)
         kwargs[name] = int(settings.pop(name))
-    saved = {name: getattr(spec_module, name) for name in settings}
+    saved = {name: getattr(module[name], name) for name in settings}
     steps: list[int] = []
     observe = spec_module.Speculator.observe_step
 
@@ -91,7 +96,7 @@ def run_policy(settings: dict[str, float], sets: dict[str, list[str]], price, ma
 
     try:
         for name, value in settings.items():
-            setattr(spec_module, name, type(saved[name])(value))
+            setattr(module[name], name, type(saved[name])(value))
         spec_module.Speculator.observe_step = observe_step
         llm = cllm.LLM(backend="llama_cpp", **kwargs)
         params = cllm.SamplingParams(max_tokens=max_tokens, temperature=0)
@@ -105,11 +110,13 @@ def run_policy(settings: dict[str, float], sets: dict[str, list[str]], price, ma
                     priced = steps if method != "off" else [1] * (n - 1)
                     if pass_no == report_pass and n > 1:
                         result.setdefault(name, []).append((n - 1) / (sum(price(s) for s in priced) / 1000))
+                        if texts is not None:
+                            texts.append(hash(tuple(out.outputs[0].token_ids)))
         llm.close()
         return result
     finally:
         for name, value in saved.items():
-            setattr(spec_module, name, value)
+            setattr(module[name], name, value)
         spec_module.Speculator.observe_step = observe
 
 
@@ -131,6 +138,10 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--curve", help="JSON {tokens: ms} instead of measuring")
     ap.add_argument("--json", help="write the figures here")
+    ap.add_argument("--deterministic", action="store_true",
+                    help="run the engine with deterministic: true, so that every policy produces the same text "
+                         "(without it a verified row can round differently from a one-token step and change the "
+                         "greedy text, and one prompt's figure then moves with the path it took)")
     ap.add_argument("--cold", action="store_true",
                     help="report the first pass (a fresh server's first requests, as each round of "
                          "benchmarks/speculative.py starts one) instead of the second")
@@ -146,8 +157,11 @@ def main() -> None:
     sets = {name: all_sets[name] for name in args.sets}
     policies = ["speculative=off"] + (args.policy or [""])
     figures: dict[str, dict[str, list[float]]] = {}
+    texts: list[list[int]] = []
     for policy in policies:
-        figures[policy or "defaults"] = run_policy(parse_policy(policy), sets, price, args.max_tokens, 0 if args.cold else 1)
+        texts.append([])
+        figures[policy or "defaults"] = run_policy(parse_policy(policy), sets, price, args.max_tokens, 0 if args.cold else 1,
+                                                   args.deterministic, texts[-1])
     base = figures["speculative=off"]
     print(f"{'policy':40s}" + "".join(f"{name:>26s}" for name in sets))
     for policy, result in figures.items():
@@ -159,6 +173,8 @@ def main() -> None:
         print(f"{policy:40s}" + "".join(f"{c:>26s}" for c in cells))
         print(f"{'':40s}" + "".join(f"{' '.join(f'{x:.0f}' for x in result.get(name, [])):>26s}" for name in sets))
     print("(per set: median and mean modeled decode tok/s over its prompts, mean against speculative=off; then each prompt's)")
+    same = sum(len(set(outputs)) == 1 for outputs in zip(*texts))
+    print(f"outputs identical under every policy: {same} of {len(texts[0])} prompts")
     if args.json:
         Path(args.json).write_text(json.dumps({"curve": curve, "figures": figures}, indent=1))
 
