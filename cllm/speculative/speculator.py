@@ -59,7 +59,11 @@ FRESH_LOOK_CLASS = 2
 # few; at 4 a copying sequence spent three short steps (4, 8, 16) reaching full depth. Replayed on the
 # embedded model with each step priced by the measured step-cost curve (benchmarks/spec_policy.py),
 # 4 -> 12 raised the mean one-stream rate by 17 % on copy, 8 % on extract, 6 % on list, chat -0.3 %.
-FIRST_DEPTH = 12  # and, after a wholly accepted draft, at least this deep again
+# 12 -> 8 (2026-11-29): replayed on identical text (spec_policy.py --deterministic) copy +3-7 %, the rest
+# level; served, 13 alternating rounds of a fresh server's copy then chat requests (speculative.py
+# --per-request): copy 2.10x -> 2.25x, chat after copy 0.96x -> 0.98x of no speculation (a failed first
+# draft of a chat phrase costs 9 tokens' step, not 13: on the AVX-512/BF16 EPYC 32 against 40 ms).
+FIRST_DEPTH = 8  # and, after a wholly accepted draft, at least this deep again
 # After a rejection the depth is cut to twice the accepted tokens, but never below RETRY_DEPTH. At 1 it
 # could never grow again where a step's first extra token is dear: on the AVX-512/BF16 EPYC (flash
 # attention on) a 2-token step cost 18 ms against 8 for 1 token, a 5-token one 27 ms; a 1-token draft

@@ -496,7 +496,7 @@ def test_a_sequence_drafts_deeper_only_after_whole_drafts_are_accepted():
     from cllm.request import Request
     from cllm.speculative import speculator as sp
 
-    assert sp.FIRST_DEPTH == 12 and sp.RETRY_DEPTH == 8
+    assert sp.FIRST_DEPTH == 8 and sp.RETRY_DEPTH == 8
     spec = sp.Speculator(SpeculativeConfig(speculative="ngram", num_speculative_tokens=24))
     req = Request("r", [1, 2, 3], cllm.SamplingParams(max_tokens=100, temperature=0), 100)
     seq = spec._sequence(req)
@@ -504,7 +504,7 @@ def test_a_sequence_drafts_deeper_only_after_whole_drafts_are_accepted():
     for proposed, accepted in [(12, 12), (24, 24), (24, 3), (8, 0), (2, 2), (12, 5), (10, 10), (20, 20)]:
         spec.verified(req, proposed, accepted, accepted + 1)
         depths.append(seq.depth)
-    assert depths == [12, 24, 24, 8, 8, 12, 10, 20, 24]
+    assert depths == [8, 24, 24, 8, 8, 8, 10, 20, 24]
 
 
 def test_a_new_sequence_starts_from_the_engines_recent_acceptance_of_its_kind_of_draft():
