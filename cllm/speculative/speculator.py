@@ -54,7 +54,7 @@ FRESH_LOOK_CLASS = 2
 # draft is accepted, cut to twice the accepted tokens (at least 1) when one is rejected. Acceptance on
 # free text is bursty (a phrase repeats, then the model goes elsewhere): the per-token rate alone planned
 # 7-token drafts on chat prompts that kept 38 % of them (benchmarks/speculative.py: chat 0.95x of no
-# speculation; 1.00x with this rule). The first draft may be 12 deep: the planner still prices each of
+# speculation; 1.00x with this rule). The first draft may be FIRST_DEPTH deep: the planner prices each of
 # its tokens by the sequence's expected acceptance (the engine's recent rate), so on free text it takes
 # few; at 4 a copying sequence spent three short steps (4, 8, 16) reaching full depth. Replayed on the
 # embedded model with each step priced by the measured step-cost curve (benchmarks/spec_policy.py),
