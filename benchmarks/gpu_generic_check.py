@@ -5,7 +5,8 @@
    transformers' forward on the same GPU: every returned row's log-probabilities, prompts longer than
    the 16-token window, mixed prefill + decode steps, then graph-replayed decode steps.
 2. Timing: a 1B-class Llama shape in bfloat16, decode steps of B sequences (B = 1, 64, 256) through
-   TorchBackend.forward_batch, native vs generic (ms per step, tokens/s), graphs as configured.
+   TorchBackend.forward_batch, native vs generic (ms per step, tokens/s), graphs as configured (both
+   paths capture them), and one decode step's logits replayed against the same step run eagerly.
 
     PYTHONPATH=.site:. python3 benchmarks/gpu_generic_check.py   # .tok = SmolLM2 tokenizer files
 """
@@ -132,8 +133,13 @@ def timing(root: Path) -> list[dict[str, object]]:
                 torch.cuda.synchronize()
                 times.append(time.perf_counter() - t0)
             ms = float(np.median(times[5:])) * 1000
+            # The same decode step replayed and eager (it rewrites the same K/V slots): their logits' distance
+            replayed = torch.as_tensor(b.forward_batch([7] * n, [94] * n, seqs)).float()
+            graphs, b._graphs = b._graphs, None
+            eager = torch.as_tensor(b.forward_batch([7] * n, [94] * n, seqs)).float()
+            b._graphs = graphs
             out.append({"impl": impl, "batch": n, "ms_per_step": ms, "tokens_per_s": n / ms * 1000,
-                        "graphs": b._graphs is not None})
+                        "graphs": graphs is not None, "graph_vs_eager_max_abs": float((replayed - eager).abs().max())})
             print(out[-1], flush=True)
             for s in seqs:
                 b.release(s, keep_cache=False)

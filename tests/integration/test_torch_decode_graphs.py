@@ -42,15 +42,20 @@ def test_pad_decode_adds_scratch_rows_and_refuses_prefill_chunks():
         pad_decode(np.array([1, 2, 3]), [SeqChunk(0, 3, 0, (1,))], 4, scratch_block=99)
 
 
-@pytest.fixture(scope="module")
-def backend(tmp_path_factory: pytest.TempPathFactory) -> TorchBackend:
+@pytest.fixture(scope="module", params=["native", "transformers"])
+def backend(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> TorchBackend:
+    """The native decoder, and the generic path (transformers' forward over the pool), whose decode steps
+    the graphs also capture on CUDA."""
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.1)
     path = tmp_path_factory.mktemp("tiny-llama")
     LlamaForCausalLM(cfg).eval().save_pretrained(path)
-    return TorchBackend(load_config(environ={}, backend="torch", model=str(path), dtype="float32", device="cpu",
-                                    block_size=BLOCK, n_ctx=128, n_seq_max=8, n_threads=1, attention="flex"))
+    built = TorchBackend(load_config(environ={}, backend="torch", model=str(path), dtype="float32", device="cpu",
+                                     block_size=BLOCK, n_ctx=128, n_seq_max=8, n_threads=1, attention="flex",
+                                     model_impl=request.param))
+    assert built.model_impl == request.param
+    return built
 
 
 def test_padding_rows_leave_real_rows_and_their_kv_unchanged(backend: TorchBackend) -> None:
@@ -117,7 +122,21 @@ def test_a_tail_after_a_cached_prefix_attends_as_its_own_prefill_would(tmp_path:
     np.testing.assert_allclose(logits[1], whole[18], atol=1e-4, rtol=0)
 
 
-def test_mixed_steps_run_decodes_and_tails_through_the_graphs_and_keep_every_row(tmp_path) -> None:
+def test_the_capture_check_replays_on_other_inputs_than_the_capture_s(backend: TorchBackend) -> None:
+    """DecodeGraphs.check, run after each capture: a replay that computes the step passes; one that
+    returns what the capture's own inputs gave (a frozen step) is refused."""
+    graphs = DecodeGraphs(backend.model, backend.kv, buckets=graph_buckets(8), scratch_block=backend._scratch_block,
+                          flex_fn=backend._flex_fn, capture=False, q_per_kv=2)
+    with torch.inference_mode():
+        bucket = graphs._bucket(8)  # built on padding rows, as a capture is
+        frozen = graphs._step(bucket).clone()
+        graphs.check(bucket, replay=lambda: graphs._step(bucket))
+        with pytest.raises(RuntimeError, match="captured graph of 8 rows gave logits"):
+            graphs.check(bucket, replay=lambda: frozen)
+
+
+@pytest.mark.parametrize("model_impl", ["native", "transformers"])
+def test_mixed_steps_run_decodes_and_tails_through_the_graphs_and_keep_every_row(tmp_path, model_impl: str) -> None:
     """Steps with decodes and short tails (attention.is_tail) beside other chunks
     (TorchBackend._forward_split): the decodes and the tails' tokens go through the graph buckets, one
     row each, the rest eagerly; a tail that no longer fits the largest bucket runs eagerly too. Every
@@ -129,7 +148,8 @@ def test_mixed_steps_run_decodes_and_tails_through_the_graphs_and_keep_every_row
                       num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.1)
     LlamaForCausalLM(cfg).eval().save_pretrained(tmp_path)
     backends = [TorchBackend(load_config(environ={}, backend="torch", model=str(tmp_path), dtype="float32", device="cpu",
-                                         block_size=BLOCK, n_ctx=256, n_seq_max=8, n_threads=1, attention="flex"))
+                                         block_size=BLOCK, n_ctx=256, n_seq_max=8, n_threads=1, attention="flex",
+                                         model_impl=model_impl))
                 for _ in range(2)]
     split, eager = backends
     split._graphs = DecodeGraphs(split.model, split.kv, buckets=graph_buckets(8), scratch_block=split._scratch_block,

@@ -207,10 +207,11 @@ class TorchBackend(Backend):
         return attention_mode(setting, self.device, block_size)
 
     def _decode_graphs(self, config: CllmConfig, max_seqs: int) -> DecodeGraphs | None:
-        """Captured decode graphs: CUDA with FlexAttention and cuda_graphs on, native decoder; None elsewhere
-        (capturing transformers' forward on the generic path is untried: see docs/gpu.md)."""
-        if not (config.torch.cuda_graphs and self.device.type == "cuda" and self._attention == "flex"
-                and isinstance(self.model, CausalLM)):
+        """Captured decode graphs: CUDA with FlexAttention and cuda_graphs on; None elsewhere. On the generic
+        path too (transformers' forward): each graph is checked against the eager step at capture
+        (DecodeGraphs.check), and a forward that cannot be captured (a host sync in the model's code, as
+        transformers' MoE routing has) leaves the decode steps eager, with a warning."""
+        if not (config.torch.cuda_graphs and self.device.type == "cuda" and self._attention == "flex"):
             return None
         graphs = DecodeGraphs(
             self.model, self.kv, buckets=graph_buckets(_graph_rows(config, max_seqs)),

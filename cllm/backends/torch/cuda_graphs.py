@@ -251,3 +251,25 @@ class DecodeGraphs:
         self._pool = graph.pool()
         bucket.logits = self._logits[:size]
         bucket.graph = graph
+        self.check(bucket, replay=lambda: (graph.replay(), self._logits[:size])[1])
+
+    def check(self, bucket: _Bucket, replay: Callable[[], torch.Tensor]) -> None:
+        """Run ``replay`` (the bucket's captured graph) on inputs other than those it was captured on and
+        compare its logits with the eager step over the same buffers; RuntimeError if they differ. A capture
+        that froze something computed from its inputs (a host-side value, a tensor made during capture: a
+        risk on the generic path, whose forward is transformers' code) fails here, at load, where the
+        backend falls back to eager steps, instead of answering wrongly.
+
+        The probe rows: row ``i`` < block size takes id ``i`` at position ``i`` of the scratch block (each
+        writes its own slot and reads the rows before it); later rows repeat row 0 (id 0 at position 0: the
+        same K/V into the same slot), so the result does not depend on the order of the writes."""
+        rows = np.arange(len(bucket.logit_rows))
+        ids = np.where(rows < self._cache.shape.block_size, rows, 0).astype(np.int64)  # also the positions
+        self._fill(bucket, ids, [SeqChunk(row, 1, int(ids[row]), (self._scratch,)) for row in rows])
+        got = replay().float().clone()
+        want = self._step(bucket).float()
+        scale = float(want.abs().max())
+        error = float((got - want).abs().max())
+        if not error <= 1e-3 * max(scale, 1.0):  # also catches NaN
+            raise RuntimeError(f"the captured graph of {len(rows)} rows gave logits {error:.3g} away from the eager step's "
+                               f"(largest {scale:.3g}) on the same inputs")
