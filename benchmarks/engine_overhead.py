@@ -37,7 +37,8 @@ as it does for CUDA. At each level and sampling mode it reports the engine's wal
 against D, against the host's own time per step (the engine thread's CPU time) and against their sum,
 with the one-step lookahead off (today's order: the calibration, step = host + D) and on (step =
 max(host, D) when the overlap works); then the served output tok/s (the null server with the same device,
-closed-loop streams) against ``1000 x B / max(host, D)``, lookahead off and on, alternating. E.g.
+closed-loop streams, each sampling mode; ``served`` keys ``B/lookahead_X`` for greedy, ``top_p/B/...``)
+against ``1000 x B / max(host, D)``, lookahead off and on. E.g.
 
     .venv/bin/python benchmarks/engine_overhead.py --device-ms 5 --json results.json
 
@@ -279,11 +280,12 @@ def device_proxy(args: argparse.Namespace) -> dict[str, dict]:
     for lookahead in ("off", "on"):
         proc, port = start_null_server(args, max(args.levels), ["--device-ms", str(d), f"--set=lookahead={lookahead}"])
         try:
-            for b in args.levels:
-                served = server_us_per_token(port, proc.pid, b, "greedy", args)
-                host = out["host_ms"][f"greedy/{b}/lookahead_{lookahead}"]
+            for mode, b in ((mode, b) for mode in args.modes for b in args.levels):
+                served = server_us_per_token(port, proc.pid, b, mode, args)
+                host = out["host_ms"][f"{mode}/{b}/lookahead_{lookahead}"]
                 bound = 1000 * b / max(host, d)
-                out["served"][f"{b}/lookahead_{lookahead}"] = {
+                key = f"{b}/lookahead_{lookahead}" if mode == "greedy" else f"{mode}/{b}/lookahead_{lookahead}"
+                out["served"][key] = {
                     "tok_s": round(served["tok_s"], 1), "bound_tok_s": round(bound, 1),
                     "ratio": round(served["tok_s"] / bound, 3), "server_us_per_token": round(served["total"], 1),
                     "engine_thread_us": round(served.get("engine", 0), 1), "event_loop_us": round(served.get("event_loop", 0), 1),
@@ -291,15 +293,14 @@ def device_proxy(args: argparse.Namespace) -> dict[str, dict]:
                     "clients_us": round(served["clients"], 1),
                     "ttft_p50_ms": round(served["ttft_p50_ms"], 1), "ttft_p90_ms": round(served["ttft_p90_ms"], 1),
                     "machine_cores_busy": round((served["total"] + served["clients"]) * served["tok_s"] / 1e6, 2)}
-                print(f"served B={b:<4d} lookahead {lookahead:3s}  {served['tok_s']:9,.0f} tok/s  = "
+                print(f"served {mode:6s} B={b:<4d} lookahead {lookahead:3s}  {served['tok_s']:9,.0f} tok/s  = "
                       f"{served['tok_s'] / bound:.3f} x 1000 x B / max(host, device)  ({_cpu_text(served)}; clients "
-                      f"{served['clients']:.1f} µs/token; {out['served'][f'{b}/lookahead_{lookahead}']['machine_cores_busy']:.2f} "
+                      f"{served['clients']:.1f} µs/token; {out['served'][key]['machine_cores_busy']:.2f} "
                       f"cores busy; TTFT p50 {served['ttft_p50_ms']:.0f} ms, p90 {served['ttft_p90_ms']:.0f})", flush=True)
                 if args.steady:
-                    steady = steady_tok_s(served, port, proc.pid, b, args)
-                    out["served"][f"{b}/lookahead_{lookahead}"].update(
-                        steady_tok_s=round(steady, 1), steady_ratio=round(steady / bound, 3))
-                    print(f"served B={b:<4d} lookahead {lookahead:3s}  {steady:9,.0f} tok/s steady (without the opening "
+                    steady = steady_tok_s(served, port, proc.pid, b, mode, args)
+                    out["served"][key].update(steady_tok_s=round(steady, 1), steady_ratio=round(steady / bound, 3))
+                    print(f"served {mode:6s} B={b:<4d} lookahead {lookahead:3s}  {steady:9,.0f} tok/s steady (without the opening "
                           f"burst and the last round's drain) = {steady / bound:.3f} x 1000 x B / max(host, device)", flush=True)
         finally:
             proc.terminate()
@@ -307,13 +308,13 @@ def device_proxy(args: argparse.Namespace) -> dict[str, dict]:
     return out
 
 
-def steady_tok_s(served: dict[str, float], port: int, pid: int, batch: int, args: argparse.Namespace) -> float:
+def steady_tok_s(served: dict[str, float], port: int, pid: int, batch: int, mode: str, args: argparse.Namespace) -> float:
     """The closed loops' steady output tok/s: a second run of ``STEADY_ROUNDS`` times the rounds of ``served``'s,
     and the difference of the two in tokens over the difference in wall time. Both runs pay once for what is
     not steady (the clients' start, every stream's first request arriving at once, the last round draining
     unevenly), so the difference is what the extra rounds cost."""
     longer = argparse.Namespace(**{**vars(args), "rounds": STEADY_ROUNDS * _rounds(batch, args)})
-    long = server_us_per_token(port, pid, batch, "greedy", longer)
+    long = server_us_per_token(port, pid, batch, mode, longer)
     extra_wall = long["tokens"] / long["tok_s"] - served["tokens"] / served["tok_s"]
     return (long["tokens"] - served["tokens"]) / extra_wall
 
