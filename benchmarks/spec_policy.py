@@ -1,7 +1,8 @@
 """Replay speculation policies on the real model, each step priced by a measured cost curve: no timing noise.
 
 One-stream speed under n-gram speculation depends on the policy's constants (cllm/speculative/speculator.py:
-the first draft depth, decay rates, the acceptance cap; ``num_speculative_tokens``). Measured end to end
+the first draft depth, decay rates, the acceptance cap; planner.py's and step_cost.py's, e.g. ``MIN_GAIN``, ``WINDOW``;
+``num_speculative_tokens``). Measured end to end
 (benchmarks/speculative.py) a few percent between two policies is within the VM's drift. Here every
 policy runs the real engine on the embedded model (greedy, so the tokens and the n-gram proposals are
 exactly what a server would produce), and each decode step is priced by its token count on a step-cost
@@ -41,6 +42,7 @@ from speculative import prompt_sets  # noqa: E402
 import cllm  # noqa: E402
 from cllm.speculative import planner as plan_module  # noqa: E402
 from cllm.speculative import speculator as spec_module  # noqa: E402
+from cllm.speculative import step_cost as cost_module  # noqa: E402
 
 CURVE_TOKENS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 40)
 
@@ -83,7 +85,7 @@ def run_policy(settings: dict[str, float], sets: dict[str, list[str]], price, ma
     settings = dict(settings)
     method = str(settings.pop("speculative", "ngram"))
     kwargs: dict[str, object] = {"speculative": method, "deterministic": deterministic}
-    module = {name: spec_module if hasattr(spec_module, name) else plan_module for name in settings}
+    module = {name: next((m for m in (spec_module, cost_module) if hasattr(m, name)), plan_module) for name in settings}
     for name in [n for n in settings if not hasattr(module[n], n)]:  # settings (num_speculative_tokens, ...)
         kwargs[name] = int(settings.pop(name))
     saved = {name: getattr(module[name], name) for name in settings}
