@@ -187,3 +187,47 @@ def test_min_tokens_yields_when_a_grammar_allows_only_a_stop_token():
     params = [SamplingParams(temperature=0, min_tokens=4), SamplingParams(temperature=0, min_tokens=4)]
     ref, got = both(logits, params, [0, 1], [[], []])
     assert [g.token_id for g in got] == [r.token_id for r in ref] == [3, 40]
+
+
+def test_cpu_candidate_tiers_draw_exactly_what_the_whole_sort_draws(monkeypatch):
+    """The CPU's cut from top candidates (64, then 512; the top token alone where it holds top_p of the mass)
+    against the stable sort of every row: the same token for every row, including rows whose kept tokens
+    do not fit the candidates (a flat distribution, a tie across the last candidate), which must fall
+    through to the next tier."""
+    vocab, rng = 8192, np.random.default_rng(5)
+    logits = rng.normal(scale=4.0, size=(12, vocab)).astype(np.float32)
+    logits[1] = rng.normal(scale=0.1, size=vocab)  # flat: its nucleus holds thousands of tokens
+    logits[2, :] = -np.inf
+    logits[2, [5, 900, 4000]] = [1.0, 1.0, 0.5]  # a grammar's three allowed tokens, two tied
+    logits[3, :200] = 30.0  # 200 tied above the rest: a tie across the 64th candidate; the nucleus is ids 0-19
+    logits[4, 7000:7100] = 40.0  # 100 tied at the top, nucleus among them
+    logits[9, 4321] = 40.0  # a nucleus of one token
+    params = [SamplingParams(temperature=1.0, top_p=0.9), SamplingParams(temperature=1.0, top_p=0.95),
+              SamplingParams(temperature=0.7, top_p=0.8), SamplingParams(temperature=1.0, top_p=0.1),
+              SamplingParams(temperature=1.0, top_k=80, top_p=0.9), SamplingParams(temperature=1.0, min_p=0.3),
+              SamplingParams(temperature=2.0, min_p=0.01), SamplingParams(temperature=0.8, top_k=40),
+              SamplingParams(temperature=1.2, top_k=200, min_p=0.02, top_p=0.97), SamplingParams(temperature=0.5, top_p=0.99),
+              SamplingParams(temperature=1.0, top_k=3), SamplingParams(temperature=3.0, top_p=0.6)]
+    for draw in range(20):
+        seeds = [draw * 100 + i for i in range(len(params))]
+        tiered = torch_sampler.sample(torch.from_numpy(logits.copy()), make_rows(params, seeds, [[]] * len(params)))
+        with monkeypatch.context() as m:
+            m.setattr(torch_sampler, "CANDIDATE_TIERS", ())
+            whole = torch_sampler.sample(torch.from_numpy(logits.copy()), make_rows(params, seeds, [[]] * len(params)))
+        assert [t.token_id for t in tiered] == [w.token_id for w in whole]
+        assert tiered[2].token_id in (5, 900, 4000) and tiered[3].token_id < 20 and 7000 <= tiered[4].token_id < 7100
+        assert tiered[9].token_id == 4321
+
+
+def test_cpu_candidate_tiers_fall_through_where_the_kept_tokens_do_not_fit():
+    """A flat row (its nucleus is wider than 64) and a tie across the 64th candidate (which tied ids topk
+    took is its own choice) are redone at the next tier; a peaked row is exact from its 64."""
+    vocab = 8192
+    logits = np.random.default_rng(2).normal(scale=0.1, size=(3, vocab)).astype(np.float32)
+    logits[1, :200] = 30.0
+    probs = torch.softmax(torch.from_numpy(logits), dim=1)
+    probs[2] = torch.softmax(torch.arange(vocab, dtype=torch.float32) * -0.5, dim=0)  # peaked
+    params = [SamplingParams(temperature=1.0, top_p=0.9), SamplingParams(temperature=1.0, top_p=0.1),
+              SamplingParams(temperature=1.0, top_p=0.9)]
+    _, exact = torch_sampler._candidate_draw(probs, params, np.full(3, vocab), torch.full((3, 1), 0.5), 64)
+    assert exact.tolist() == [False, False, True]
