@@ -144,8 +144,9 @@ def _draw(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
     probs = scaled.exp_()
     probs /= probs.sum(dim=1, keepdim=True)
     u = _to(device, np.array([r.uniform() for r in rows], dtype=np.float64)).to(torch.float32)[:, None]
-    truncating = [i for i, r in enumerate(rows) if _truncates(r.params, vocab)]
-    whole = [i for i, r in enumerate(rows) if not _truncates(r.params, vocab)]
+    truncates = [_truncates(r.params, vocab) for r in rows]
+    truncating = [i for i, t in enumerate(truncates) if t]
+    whole = [i for i, t in enumerate(truncates) if not t]
     chosen = torch.empty(len(rows), dtype=torch.int64, device=device)
     if whole:
         index = _to(device, np.array(whole))
@@ -244,7 +245,8 @@ def _cut(sorted_probs: torch.Tensor, probs: torch.Tensor, params: Sequence[Sampl
     sorted_probs = sorted_probs.masked_fill(sorted_probs < kth, 0.0)
     top_p = np.array([p.top_p for p in params], dtype=np.float32)
     if (top_p < 1.0).any():
-        total = torch.where(_to(device, top_k < vocab)[:, None], probs.masked_fill(probs < kth, 0.0), probs)
+        cut_k = top_k < vocab
+        total = torch.where(_to(device, cut_k)[:, None], probs.masked_fill(probs < kth, 0.0), probs) if cut_k.any() else probs
         mass = _to(device, top_p)[:, None] * total.sum(dim=1, keepdim=True)
         # smallest prefix reaching the mass: the numpy sampler's searchsorted(cum, mass) + 1
         keep = (sorted_probs.cumsum(dim=1) < mass).sum(dim=1, keepdim=True) + 1
