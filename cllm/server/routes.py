@@ -142,6 +142,8 @@ def _engine_report(engine: Any, name: str) -> dict[str, Any]:
     verdict = getattr(backend, "flash_attn_verdict", None)  # what llama.cpp was given, why, and the probe's times
     return {"model": name, "status": "loaded", "weights": weights and str(weights),
             "flash_attn": getattr(backend, "flash_attn", None), "flash_attn_verdict": verdict and _as_dict(verdict),
+            # blocks ahead that llama.cpp's quantised CPU matmul prefetches (cllm's patched build), None without it
+            "q0_prefetch_blocks": getattr(backend, "q0_prefetch_blocks", None),
             "determinism": _determinism(determinism_of(engine)), "engine_core": _core_state(engine),
             "images": {"accepted": bool(getattr(engine, "supports_images", False)),
                        "encoder": getattr(backend, "vision_text", None)},

@@ -115,6 +115,13 @@ def test_flash_attention_verdict_in_engine_state_and_ready_block(server: ServerP
         in server.log_text()
 
 
+def test_engine_state_reports_the_patched_llama_cpp_build(server: ServerProcess) -> None:
+    """The set-up (make setup) builds llama-cpp-python with third_party/llama-cpp-python/sgemm-prefetch.patch;
+    /v1/engine reports the prefetch distance that build exports, so a set-up that silently installed an
+    unpatched build fails here."""
+    assert engine_state(server)["q0_prefetch_blocks"] == 8
+
+
 def test_completion(server: ServerProcess) -> None:
     resp = server.openai().completions.create(model="SmolLM2-135M-Instruct.Q4_1", prompt=PROMPT, max_tokens=12, temperature=0)
     assert resp.id.startswith("cmpl-") and resp.object == "text_completion" and resp.created > 0

@@ -32,7 +32,7 @@ from cllm.backends.llama_cpp.embedder import LlamaEmbedder
 from cllm.backends.llama_cpp.determinism import kv_type
 from cllm.backends.llama_cpp.determinism import report as determinism_report
 from cllm.backends.llama_cpp.flash_attn import FlashAttnVerdict, resolve_flash_attn
-from cllm.backends.llama_cpp.native import LlamaBatchBuffer, LlamaContextHandle, LlamaModelHandle
+from cllm.backends.llama_cpp.native import LlamaBatchBuffer, LlamaContextHandle, LlamaModelHandle, q0_prefetch_blocks
 from cllm.backends.llama_cpp.offload import kv_cache_type, resolve_gpu_layers
 from cllm.backends.llama_cpp.prompt_cache import PromptCache, SavedPrompt
 from cllm.backends.llama_cpp.sizing import available_memory, kv_shape, prompt_cache_bytes
@@ -96,6 +96,7 @@ class LlamaCppBackend(Backend):
         self.model_path = path
         self.weights_path = prepare_weights(path, lc.weights, gpu_layers=self.n_gpu_layers, n_threads=self._n_threads)
         self._model = LlamaModelHandle(path=self.weights_path, n_gpu_layers=self.n_gpu_layers)
+        self.q0_prefetch_blocks = q0_prefetch_blocks()  # cllm's llama.cpp patch present (native.py)
         # The projector loads before the KV cache is sized, so that its weights count against the memory
         self._vision = self._load_vision(lc.mmproj)
         self.supports_images = self._vision is not None

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import llama_cpp as C
 
-from cllm.backends.llama_cpp.native import LlamaBatchBuffer, LlamaContextHandle, LlamaModelHandle
+from cllm.backends.llama_cpp.native import LlamaBatchBuffer, LlamaContextHandle, LlamaModelHandle, q0_prefetch_blocks
 from cllm.machine import cpu_model
 from cllm.model_path import cache_root, file_fingerprint
 from cllm.progress import phase
@@ -104,6 +104,7 @@ def resolve_flash_attn(setting: bool | str, *, model: LlamaModelHandle, model_pa
         return FlashAttnVerdict(setting, "quantised V cache")
     shape = probe_shape(model, n_ubatch=n_ubatch, kv_unified=kv_unified, type_k=type_k, type_v=type_v)
     key = "|".join([cpu_model() or "unknown", C.llama_print_system_info().decode(errors="replace").strip(), C.__version__,
+                    f"q0prefetch{q0_prefetch_blocks()}",
                     file_fingerprint(model_path), str(n_threads), f"probe{PROBE_VERSION}",
                     json.dumps(asdict(shape), sort_keys=True)])
     store = cache_root() / "flash_attn.json"

@@ -59,6 +59,20 @@ def _silent_log(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
             log.log(py_level, "llama.cpp: %s", message)
 
 
+def q0_prefetch_blocks() -> int | None:
+    """How many blocks ahead llama.cpp's quantised CPU matmul (llamafile's tinyBLAS, Q8_0/Q4_0/Q5_0/IQ4_NL
+    weights, 2+ tokens a step) prefetches its weight rows: cllm's set-up builds llama-cpp-python with
+    that patch (third_party/llama-cpp-python/). None for a build without it, which runs the same, with
+    multi-token steps (batches, speculative verification) up to ~1.5x slower on a CPU whose weights
+    stream from memory."""
+    try:
+        lib = ctypes.CDLL("libggml-cpu.so.0")  # the one libllama loaded (matched by its soname)
+    except OSError:
+        return None
+    marker = getattr(lib, "cllm_q0_prefetch_blocks", None)
+    return int(marker()) if marker is not None else None
+
+
 def _amx_build() -> bool:
     """The installed llama.cpp was built with its AMX (Intel Advanced Matrix Extensions) CPU kernels."""
     return b"AMX_INT8 = 1" in C.llama_print_system_info()
