@@ -47,22 +47,23 @@ from cllm.speculative import step_cost as cost_module  # noqa: E402
 CURVE_TOKENS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 40)
 
 
-def measure_curve(model_path: str, n_threads: int, reps: int = 5) -> dict[int, float]:
-    """Median milliseconds of one ``llama_decode`` of n tokens (all with logits) after a 60-token context."""
+def measure_curve(model_path: str, n_threads: int, reps: int = 5, counts: tuple[int, ...] = CURVE_TOKENS,
+                  context: int = 60) -> dict[int, float]:
+    """Median milliseconds of one ``llama_decode`` of n tokens (all with logits) after ``context`` tokens."""
     import llama_cpp
 
     from cllm.backends.llama_cpp.native import avoid_amx_extra_buffers
     avoid_amx_extra_buffers()
     llm = llama_cpp.Llama(model_path=model_path, n_ctx=512, n_threads=n_threads, n_batch=512, n_ubatch=512,
                           logits_all=True, verbose=False)
-    tokens = llm.tokenize(" ".join(f"item {i}, apples, bread, milk." for i in range(40)).encode())[:60 + max(CURVE_TOKENS)]
-    times: dict[int, list[float]] = {n: [] for n in CURVE_TOKENS}
+    tokens = llm.tokenize(" ".join(f"item {i}, apples, bread, milk." for i in range(40)).encode())[:context + max(counts)]
+    times: dict[int, list[float]] = {n: [] for n in counts}
     for _ in range(reps):
-        for n in CURVE_TOKENS:
+        for n in counts:
             llm.reset()
-            llm.eval(tokens[:60])
+            llm.eval(tokens[:context])
             start = time.perf_counter()
-            llm.eval(tokens[60:60 + n])
+            llm.eval(tokens[context:context + n])
             times[n].append((time.perf_counter() - start) * 1000)
     llm.close()
     return {n: statistics.median(t) for n, t in times.items()}
