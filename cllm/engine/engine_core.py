@@ -348,6 +348,7 @@ class EngineCore:
     def _pack(self, out: RequestOutput) -> tuple:
         """pack_output, with a request's prompt logprobs sent once (the API side keeps them): the engine
         hands the complete list on every output after it is scored."""
+        continued = out.request_id in self._streaming
         if out.prompt_logprobs is not None:
             if out.request_id in self._scored:
                 out = dataclasses.replace(out, prompt_logprobs=None)
@@ -358,7 +359,7 @@ class EngineCore:
             self._streaming.discard(out.request_id)
         else:
             self._streaming.add(out.request_id)
-        return pack_output(out)
+        return pack_output(out, continued=continued)
 
     def _run_embeds(self) -> None:
         """Every queued embed call in one backend pass (see AsyncLLM._run_embed_jobs); bad input fails its call only."""

@@ -47,7 +47,7 @@ from cllm.engine.prompt_ids import prompt_token_ids
 from cllm.multimodal.prompt import ids_without_images
 from cllm.engine.core_protocol import (
     AbortRequest, AddRequest, Admitted, CoreFailed, CoreReady, CoreStopped, EmbedDone, EmbedRequest, Snapshot,
-    FrameReader, Settled, StepOutputs, StopCore, decode, encode, unpack_output,
+    FrameReader, Settled, StepOutputs, StopCore, decode, encode, is_delta, unpack_delta, unpack_output,
 )
 from cllm.engine.engine_core import CoreSpec, Sender, run_engine_core
 from cllm.engine.llm_engine import LLMEngine, Prompt
@@ -108,6 +108,7 @@ class _Stream:
     prompt_logprobs: list | None = None  # sent once by the core, put back on every later output
     error: BaseException | None = None  # an exception that came after outputs, raised once those are out
     sink: Callable[[RequestOutput | BaseException], None] | None = None  # open_stream's: takes the items instead of queue
+    last: RequestOutput | None = None  # the latest output (a plain delta is unpacked against it)
 
 
 class ProcessEngine:
@@ -362,11 +363,15 @@ class ProcessEngine:
 
     @staticmethod
     def _unpack(packed: tuple, stream: _Stream) -> RequestOutput:
-        out = unpack_output(packed, stream.prompt, stream.prompt_ids)
-        if out.prompt_logprobs is not None:
-            stream.prompt_logprobs = out.prompt_logprobs
+        if is_delta(packed):  # (the core sends one only after a full output of the request)
+            out = unpack_delta(packed, stream.last)
         else:
-            out.prompt_logprobs = stream.prompt_logprobs
+            out = unpack_output(packed, stream.prompt, stream.prompt_ids)
+            if out.prompt_logprobs is not None:
+                stream.prompt_logprobs = out.prompt_logprobs
+            else:
+                out.prompt_logprobs = stream.prompt_logprobs
+        stream.last = out
         return out
 
     def _admitted(self, message: Admitted) -> None:

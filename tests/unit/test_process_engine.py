@@ -19,7 +19,7 @@ import pytest
 
 from cllm.bench.null_backend import NullBackend
 from cllm.config import load_config
-from cllm.engine.core_protocol import FrameReader, pack_output, unpack_output
+from cllm.engine.core_protocol import FrameReader, is_delta, pack_output, unpack_delta, unpack_output
 from cllm.engine.process_engine import EngineProcessUnavailable, ProcessEngine, RestartPolicy, wants_engine_process
 from cllm.errors import ContextLengthError, EngineDeadError
 from cllm.outputs import CompletionOutput, RequestMetrics, RequestOutput, Usage
@@ -310,6 +310,32 @@ def test_packed_outputs_round_trip_with_the_prompt_put_back() -> None:
     assert back.outputs[1] == done and back.metrics == out.metrics
 
 
+def test_a_plain_delta_packs_flat_after_the_first_output_and_unpacks_against_it() -> None:
+    """Once a request's first output went out, a running single choice with text and token ids only packs
+    as a flat tuple; anything more (logprobs, a finish, an error, several choices) keeps the full form."""
+    first = unpack_output(pack_output(RequestOutput("r", "p", [5, 6], [CompletionOutput(0, "", [], None, text_delta="a",
+                                                                                            token_ids_delta=[7])],
+                                                    False, Usage(2, 1, 1), RequestMetrics(1.0, 2.0, 3.0, 3.0))), "p", [5, 6])
+    later = RequestOutput("r", "p", [5, 6], [CompletionOutput(0, "", [], None, text_delta="bc", token_ids_delta=[8, 9])],
+                          False, Usage(2, 3, 1), RequestMetrics(1.0, 2.0, 3.0, 4.5))
+    assert not is_delta(pack_output(later))  # no earlier output sent: the full form
+    packed = pack_output(later, continued=True)
+    assert is_delta(packed)
+    back = unpack_delta(packed, first)
+    assert back == later  # every field, from the delta and the earlier output
+    with_logprobs = RequestOutput("r", "p", [5, 6], [CompletionOutput(0, "", [], None, text_delta="b", token_ids_delta=[8],
+                                                                      logprobs_delta=[])],
+                                  False, Usage(2, 2, 1), RequestMetrics(1.0, 2.0, 3.0, 4.0))
+    finished = RequestOutput("r", "p", [5, 6], [CompletionOutput(0, "ab", [7, 8], "length", text_delta="b",
+                                                                 token_ids_delta=[8])],
+                             True, Usage(2, 2, 1), RequestMetrics(1.0, 2.0, 3.0, 4.0, 4.0))
+    two = RequestOutput("r", "p", [5, 6], [CompletionOutput(0, "", [], None, text_delta="b", token_ids_delta=[8]),
+                                           CompletionOutput(1, "", [], None, text_delta="c", token_ids_delta=[9])],
+                        False, Usage(2, 2, 1), RequestMetrics(1.0, 2.0, 3.0, 4.0))
+    for out in (with_logprobs, finished, two):
+        assert not is_delta(pack_output(out, continued=True))
+
+
 def test_frame_reader_takes_whole_frames_only() -> None:
     import multiprocessing
 
@@ -433,6 +459,11 @@ class _CoreOnAThread:
         self.engine.close()
 
 
+def _token_deltas(packed: tuple) -> list[int]:
+    """The new token ids of a packed output, in either of pack_output's forms."""
+    return packed[2] if is_delta(packed) else [t for choice in packed[1] for t in choice[7]]
+
+
 def test_the_core_holds_outputs_until_the_api_process_settled_the_last_and_merges_them() -> None:
     """One StepOutputs in flight (engine_core.MAX_UNSETTLED): until the API process answers Settled the
     core sends no more outputs (but a first or last one: see the tests below), while it keeps stepping and merges each request's; the next message
@@ -444,11 +475,11 @@ def test_the_core_holds_outputs_until_the_api_process_settled_the_last_and_merge
         core.add("r", [300, 301], SamplingParams(max_tokens=1000, temperature=0.0, ignore_eos=True))
         first = core.next_step_outputs(5.0)
         assert first is not None
-        tokens = [t for packed in first.outputs for choice in packed[1] for t in choice[7]]
+        tokens = [t for packed in first.outputs for t in _token_deltas(packed)]
         while not first.settle:  # a first output sent while a stats message was owed (see the test below)
             first = core.next_step_outputs(5.0)
             assert first is not None
-            tokens += [t for packed in first.outputs for choice in packed[1] for t in choice[7]]
+            tokens += [t for packed in first.outputs for t in _token_deltas(packed)]
         steps_then = core.backend.num_forwards
         assert core.next_step_outputs(0.2) is None  # unsettled: nothing more is sent ...
         assert core.backend.num_forwards > steps_then + 5  # ... while the engine steps on
@@ -460,8 +491,8 @@ def test_the_core_holds_outputs_until_the_api_process_settled_the_last_and_merge
             assert message is not None
             messages += 1
             (packed,) = message.outputs
-            tokens += packed[1][0][7]  # the choice's token_ids_delta: merged over the steps it was held
-            finished = packed[2]
+            tokens += _token_deltas(packed)  # the choice's token_ids_delta: merged over the steps it was held
+            finished = not is_delta(packed) and packed[2]
         assert len(tokens) == 1000 and messages < 1000  # every token once, in fewer messages than steps
         assert packed[1][0][2] == tokens  # the final output's whole token_ids: the deltas, in order
     finally:
@@ -492,7 +523,7 @@ def test_a_requests_first_output_is_sent_at_once_while_the_others_wait_for_settl
         core.send(Settled())
         message = core.next_step_outputs(5.0)
         assert message is not None and message.settle and sorted(p[0] for p in message.outputs) == ["a", "b"]
-        held = {p[0]: p[1][0][7] for p in message.outputs}  # each one's token_ids_delta, merged while held
+        held = {p[0]: _token_deltas(p) for p in message.outputs}  # each one's token_ids_delta, merged while held
         assert len(held["a"]) > 5 and len(held["b"]) > 5
     finally:
         core.close()
@@ -518,8 +549,8 @@ def test_a_requests_last_output_is_sent_at_once_while_the_others_wait_for_settle
             message = core.next_step_outputs(5.0)
             assert message is not None and not message.settle and [p[0] for p in message.outputs] == ["b"]
             (packed,) = message.outputs
-            tokens += packed[1][0][7]
-            finished = packed[2]
+            tokens += _token_deltas(packed)
+            finished = not is_delta(packed) and packed[2]
         assert len(tokens) == 12 and packed[1][0][2] == tokens  # every token once, in order
         assert core.next_step_outputs(0.2) is None  # a's outputs are still held
         core.send(Settled())
