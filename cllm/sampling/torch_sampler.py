@@ -69,12 +69,25 @@ def sample_on_device(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> Devic
         _apply_biases_and_penalties(logits, rows)
         logprob_rows = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
     logprobs = torch.log_softmax(logits[logprob_rows], dim=-1) if logprob_rows else None
-    chosen = logits.argmax(dim=1)
     stochastic = [i for i, r in enumerate(rows) if not r.params.greedy]
-    if stochastic:
-        index = torch.tensor(stochastic, device=logits.device)
-        chosen[index] = _draw(logits.index_select(0, index), [rows[i] for i in stochastic])
+    if len(stochastic) == len(rows):
+        chosen = _draw(logits, rows)  # (reads logits, as the greedy rows' argmax below would)
+    else:
+        chosen = argmax_rows(logits)
+        if stochastic:
+            index = torch.tensor(stochastic, device=logits.device)
+            chosen[index] = _draw(logits.index_select(0, index), [rows[i] for i in stochastic])
     return DeviceSample(chosen, rows, logprob_rows, logprobs)
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """Each row's first largest value's index (``x.argmax(dim=1)``, int64, on ``x``'s device).
+
+    On a CPU through numpy: torch's CPU argmax took 247 µs for 256 x 1,024 floats on one thread of
+    the AVX-512 EPYC, numpy's 23 µs (the same indices: both take the first of equal values)."""
+    if x.device.type != "cpu":
+        return x.argmax(dim=1)
+    return torch.from_numpy(np.argmax(x.detach().numpy(), axis=1).astype(np.int64, copy=False))
 
 
 def _flat_index(per_row: Sequence[np.ndarray], vocab: int) -> np.ndarray:
@@ -140,8 +153,8 @@ def _draw(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
     device, vocab = logits.device, logits.shape[1]
     temps = _to(device, np.array([r.params.temperature for r in rows], dtype=np.float32))[:, None]
     scaled = logits / temps
-    scaled -= scaled.max(dim=1, keepdim=True).values
-    probs = scaled.exp_()
+    scaled -= scaled.amax(dim=1, keepdim=True)  # (max(dim) also finds the indices: 15x amax's time on a CPU)
+    probs = _exp_(scaled)
     probs /= probs.sum(dim=1, keepdim=True)
     u = _to(device, np.array([r.uniform() for r in rows], dtype=np.float64)).to(torch.float32)[:, None]
     truncates = [_truncates(r.params, vocab) for r in rows]
@@ -157,6 +170,15 @@ def _draw(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
         params = [rows[i].params for i in truncating]
         chosen[index] = _truncated_draw(_rows(probs, index), params, _rows(u, index))
     return chosen
+
+
+def _exp_(x: torch.Tensor) -> torch.Tensor:
+    """``x.exp_()``; on a CPU numpy's (256 x 1,024 floats on one thread of the AVX-512 EPYC: torch's
+    229 µs, numpy's 125 µs; the numpy sampler's own exp)."""
+    if x.device.type != "cpu":
+        return x.exp_()
+    np.exp(x.numpy(), out=x.numpy())
+    return x
 
 
 def _truncates(p: SamplingParams, vocab: int) -> bool:
@@ -179,7 +201,7 @@ def _truncated_draw(probs: torch.Tensor, params: Sequence[SamplingParams], u: to
     device, vocab = probs.device, probs.shape[1]
     if any(p.min_p > 0 for p in params):
         min_p = _to(device, np.array([p.min_p for p in params], dtype=np.float32))[:, None]
-        probs = probs.masked_fill(probs < min_p * probs.max(dim=1, keepdim=True).values, 0.0)
+        probs = probs.masked_fill(probs < min_p * probs.amax(dim=1, keepdim=True), 0.0)
     top_k = np.array([p.top_k if p.top_k and p.top_k < vocab else vocab for p in params], dtype=np.int64)
     chosen = torch.empty(len(params), dtype=torch.int64, device=device)
     todo = np.arange(len(params))
@@ -191,7 +213,7 @@ def _truncated_draw(probs: torch.Tensor, params: Sequence[SamplingParams], u: to
         alone = ((probs.amax(dim=1) >= _to(device, top_p) * probs.sum(dim=1)) & _to(device, top_p < 1.0)).numpy()
         if alone.any():
             index = _to(device, np.flatnonzero(alone))
-            chosen[index] = _rows(probs, index).argmax(dim=1)
+            chosen[index] = argmax_rows(_rows(probs, index))
             todo = todo[~alone]
     for k in tiers:
         if not len(todo):
