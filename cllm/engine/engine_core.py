@@ -211,6 +211,8 @@ class EngineCore:
             # prefill (it may be long), nothing held waits for it beyond the API process's settling.
             self._maybe_flush(now=bool(taken or self.engine.scheduler.num_waiting))
             started = time.monotonic()
+            # Behind: running requests' news stays in the engine, made into one output each when sent.
+            self.engine.hold_outputs = self._unsettled >= MAX_UNSETTLED or self._sender.backlog() > 0
             outputs = self.engine.step()
             self._steps_short = async_llm.steps_are_short(time.monotonic() - started, self.engine)
             self._changed = True
@@ -306,10 +308,13 @@ class EngineCore:
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         """Merge outputs into those held, then send them all if the API process is ready for them."""
+        self._hold(outputs)
+        self._maybe_flush()
+
+    def _hold(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
             prev = self._held.get(out.request_id)
             self._held[out.request_id] = out if prev is None else merge_outputs(prev, out)
-        self._maybe_flush()
 
     def _maybe_flush(self, now: bool = False) -> None:
         """Send what is held unless the API process has not settled the last StepOutputs yet (it is
@@ -317,7 +322,7 @@ class EngineCore:
         SSE event instead of a backlog of one-token outputs; see MAX_UNSETTLED), or, unless ``now``,
         steps are short and the last message went out less than async_llm.HANDOVER_INTERVAL_S ago (a
         message costs both processes a wake-up and a system call whatever it carries)."""
-        if not self._held or self._sender.backlog():
+        if not (self._held or self.engine.has_held_outputs()) or self._sender.backlog():
             return
         if self._unsettled >= MAX_UNSETTLED:
             self._flush_ends()
@@ -327,6 +332,8 @@ class EngineCore:
         self._flush()
 
     def _flush(self) -> None:
+        if self.engine.has_held_outputs():  # (held while the API process was behind: see the loop)
+            self._hold(self.engine.take_held_outputs())
         if self._held:
             self._send([self._pack(out) for out in self._held.values()], self._snapshot_if_due())
             self._held.clear()

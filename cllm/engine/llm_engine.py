@@ -100,6 +100,11 @@ class LLMEngine:
         self._defer_text = self.backend.overlaps_host_work
         self._deferred: list[tuple[RequestGroup, int, SampledToken]] = []
         self._ready: list[RequestOutput] = []
+        # hold_outputs (the engine core sets it while the API process is behind): a running group's
+        # outputs after its first token's are not made per step; the group waits here and take_held_outputs()
+        # makes one output of all its news (what merging the per-step outputs would give).
+        self.hold_outputs = False
+        self._held: dict[str, RequestGroup] = {}
         self.lookahead = _lookahead_on(config, self.backend, self.speculator is not None)
         self._ahead: _Ahead | None = None  # the step launched ahead, if any (lookahead)
         self._put_off: set[str] = set()  # requests whose chunk the last step put off to the next launch
@@ -343,6 +348,8 @@ class LLMEngine:
     def export_request(self, request_id: str) -> tuple[RequestSnapshot, list[bytes]]:
         """Take a live n=1 request out for a hand-off: its snapshot and KV segments (cllm.engine.migration)."""
         self._flush_text()
+        if request_id in self._held:  # its caller has not had every token: the importer would skip some
+            raise RuntimeError(f"request {request_id!r} has held outputs: take_held_outputs() before exporting it")
         return migration.export_request(self, request_id)
 
     def import_request(self, snapshot: RequestSnapshot, segments: list[bytes]) -> str:
@@ -366,7 +373,8 @@ class LLMEngine:
 
     # ----------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
-        """Run one batch; returns an output for every request that changed.
+        """Run one batch; returns an output for every request that changed (but those ``hold_outputs``
+        keeps for ``take_held_outputs``).
 
         On a backend whose forward runs asynchronously (the torch backend on CUDA: ``overlaps_host_work``),
         the text work of a step's tokens (detokenising, logprob entries, the outputs) is done during the
@@ -728,19 +736,35 @@ class LLMEngine:
     def _collect(self, groups: list[RequestGroup]) -> list[RequestOutput]:
         outputs = []
         pending = {g.group_id for g, _, _ in self._deferred} if self._deferred else ()
+        hold, held = self.hold_outputs, self._held
         for group in groups:
             if group.group_id not in self._groups:
                 continue  # its final output went out already (with deferred text, earlier this step)
             if group.group_id in pending:
                 continue  # text still to come: its output is made when it is flushed
+            if hold and group.token_out and not group.finished:
+                held[group.group_id] = group  # (a first output and an end are never held)
+                continue
+            if held:
+                held.pop(group.group_id, None)  # this output carries the news held so far
             output = group.make_output()
             outputs.append(output)
             if output.finished:
                 self._forget(group)
         return outputs
 
+    def has_held_outputs(self) -> bool:
+        return bool(self._held)
+
+    def take_held_outputs(self) -> list[RequestOutput]:
+        """One output per group held since the last call (see ``hold_outputs``): its news since its last
+        output, in the order the groups were first held."""
+        held, self._held = self._held, {}
+        return [group.make_output() for gid, group in held.items() if gid in self._groups]
+
     def _forget(self, group: RequestGroup) -> None:
         self._groups.pop(group.group_id, None)
+        self._held.pop(group.group_id, None)
         for child in group.children:
             self._group_of.pop(child.request_id, None)
             self._rows.pop(child.request_id, None)

@@ -558,3 +558,64 @@ def test_a_requests_last_output_is_sent_at_once_while_the_others_wait_for_settle
         assert message is not None and message.settle and [p[0] for p in message.outputs] == ["a"]
     finally:
         core.close()
+
+
+def _engine_outputs(hold_on_steps: set[int], steps_between_takes: int = 3) -> tuple[list[RequestOutput], int]:
+    """Every output of three requests (greedy; seeded top-p with logprobs; n=2 with a stop string) on an
+    in-process LLMEngine over the keyed NullBackend, ``hold_outputs`` on at the steps numbered in
+    ``hold_on_steps`` and the held outputs taken every ``steps_between_takes`` steps; and the steps run."""
+    from cllm.engine.llm_engine import LLMEngine
+
+    config = load_config(None, environ={}, n_seq_max=8, max_waiting=8, log_level="warning")
+    engine = LLMEngine(config, backend=NullBackend(slots=8, keyed=True))
+    engine.add_request([300, 301], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True), request_id="g")
+    engine.add_request([302, 303], SamplingParams(max_tokens=30, temperature=0.8, top_p=0.9, seed=7, logprobs=2,
+                                                  ignore_eos=True), request_id="p")
+    stop = engine.tokenizer.decode([333])  # a word the keyed rows may or may not reach: checked every token
+    engine.add_request([304], SamplingParams(max_tokens=25, temperature=1.0, seed=3, n=2, stop=[stop], ignore_eos=True),
+                       request_id="n")
+    outputs: list[RequestOutput] = []
+    step = 0
+    while engine.has_unfinished():
+        engine.hold_outputs = step in hold_on_steps
+        outputs += engine.step()
+        step += 1
+        if step % steps_between_takes == 0:
+            outputs += engine.take_held_outputs()
+    outputs += engine.take_held_outputs()
+    engine.close()
+    return outputs, step
+
+
+def _merged(outputs: list[RequestOutput]) -> dict[str, tuple]:
+    """Per request: each choice's text, token ids and logprobs put together from the deltas, the final
+    output's whole fields, and whether an output followed the final one."""
+    out: dict[str, tuple] = {}
+    for o in outputs:
+        texts, ids, logprobs, final, after_final = out.get(o.request_id, ({}, {}, {}, None, False))
+        for c in o.outputs:
+            texts[c.index] = texts.get(c.index, "") + c.text_delta
+            ids[c.index] = ids.get(c.index, []) + list(c.token_ids_delta)
+            logprobs[c.index] = logprobs.get(c.index, []) + [(lp.token_id, lp.logprob) for lp in c.logprobs_delta or []]
+        whole = [(c.text, c.token_ids, c.finish_reason) for c in o.outputs] if o.finished else None
+        out[o.request_id] = (texts, ids, logprobs, whole or final, after_final or final is not None)
+    return out
+
+
+def test_held_outputs_carry_exactly_the_news_of_the_steps_they_stood_for() -> None:
+    """LLMEngine.hold_outputs (the engine core sets it while the API process is behind): a running
+    request's output after its first token's is not made per step; take_held_outputs() then makes one
+    output per request of all its news. Put together, the outputs are the same text, token ids and
+    logprobs, per choice, as with one output a step; a first token's output and an end are never held."""
+    every, steps = _engine_outputs(set())
+    held_steps = set(range(steps - 2)) - {7, 8}  # held from the first step on, let go twice in between
+    held, held_run = _engine_outputs(held_steps)
+    assert held_run == steps  # holding changes no step
+    assert _merged(held) == _merged(every)
+    assert all(not after for *_, after in _merged(held).values())  # nothing after a final output
+    assert len(held) < len(every) // 2  # most outputs were never made
+    firsts = {}
+    for o in held:  # each request's first output with a token carries exactly one token per choice
+        if o.request_id not in firsts and any(c.token_ids_delta for c in o.outputs):
+            firsts[o.request_id] = [len(c.token_ids_delta) for c in o.outputs]
+    assert firsts == {"g": [1], "p": [1], "n": [1, 1]}
