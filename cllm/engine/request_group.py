@@ -27,7 +27,11 @@ class RequestGroup:
         ]
         self._sent_tokens = [0] * len(children)
         self._sent_logprobs = [0] * len(children)
-        self.token_out = False  # an output with a token was made (LLMEngine.hold_outputs holds none before)
+
+    @property
+    def token_out(self) -> bool:
+        """An output with a token has been made (LLMEngine.hold_outputs holds none before)."""
+        return any(self._sent_tokens)
 
     @property
     def finished(self) -> bool:
@@ -79,7 +83,6 @@ class RequestGroup:
             choices = [self._choice(i, finished) for i in range(len(self.children))]
             completion = sum(c.num_output_tokens for c in self.children)
             error = next((c.error for c in self.children if c.error), None)
-        self.token_out = self.token_out or completion > 0
         usage = Usage(len(first.prompt_token_ids), completion, first.num_cached_tokens or 0)
         prompt_logprobs = None
         if first.scores_prompt and not first.needs_prompt_logits:
