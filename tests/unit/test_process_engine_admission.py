@@ -253,7 +253,11 @@ async def _drain(stream: object) -> None:
 
 
 def test_a_core_that_does_not_exit_is_killed_after_the_join_timeout() -> None:
-    engine = _engine(backend=functools.partial(HangingBackend, slots=8), join_timeout_s=0.5)
+    # Steps of 20 ms: the core sends the first token before the second forward wedges. With steps that cost
+    # nothing the core may hold that output for the next step (short steps hand over at most every
+    # HANDOVER_INTERVAL_S), the second forward never returns, and the stream's first output never came:
+    # the test hung in about half of its runs.
+    engine = _engine(backend=functools.partial(HangingBackend, slots=8, step_ms=20.0), join_timeout_s=0.5)
 
     async def run() -> float:
         stream = engine.generate([300], SamplingParams(max_tokens=1000, temperature=0.0, ignore_eos=True))
