@@ -143,6 +143,7 @@ def uvicorn_config(app: FastAPI, config: CllmConfig) -> uvicorn.Config:
                                     write_timeout_s=server_cfg.stream_stall_timeout_s),  # a reader that stalls
         timeout_keep_alive=server_cfg.keep_alive_timeout_s,  # type: ignore[arg-type]  # call_later takes floats
         limit_concurrency=server_cfg.max_connections,
+        loop="cllm.server.accept_loop:new_event_loop",  # uvloop (or asyncio), accepting connections in batches
     )
 
 
