@@ -173,6 +173,13 @@ def unpack_delta(packed: tuple, previous: RequestOutput) -> RequestOutput:
                          Usage(previous.usage.prompt_tokens, completion, cached), metrics, None, previous.prompt_logprobs)
 
 
+def frame(data: bytes) -> bytes:
+    """``data`` framed as ``Connection.send_bytes`` frames it (what FrameReader and ``recv_bytes`` read)."""
+    size = len(data)
+    header = struct.pack("!i", size) if size <= 0x7FFFFFFF else struct.pack("!iQ", -1, size)
+    return header + data
+
+
 def encode(message: object) -> bytes:
     return pickle.dumps(message, protocol=5)
 
