@@ -139,13 +139,19 @@ def pack_output(out: RequestOutput, *, continued: bool = False) -> tuple:
         c = out.outputs[0]
         if (c.index == 0 and c.finish_reason is None and c.stop_reason is None and c.logprobs_delta is None
                 and c.tool_calls is None and c.logprobs is None):
-            return (out.request_id, c.text_delta, c.token_ids_delta, u.completion_tokens, u.cached_tokens,
-                    m.first_token_time, m.last_token_time)
+            return pack_delta(out.request_id, c.text_delta, c.token_ids_delta, u.completion_tokens, u.cached_tokens, m)
     choices = [(c.index, c.text if c.finish_reason is not None else "", c.token_ids, c.finish_reason, c.stop_reason,
                 c.logprobs, c.text_delta, c.token_ids_delta, c.logprobs_delta, c.tool_calls) for c in out.outputs]
     return (out.request_id, choices, out.finished, (u.prompt_tokens, u.completion_tokens, u.cached_tokens),
             (m.arrival_time, m.first_scheduled_time, m.first_token_time, m.last_token_time, m.finished_time),
             out.error, out.prompt_logprobs)
+
+
+def pack_delta(request_id: str, text_delta: str, token_ids_delta: list[int], completion_tokens: int,
+               cached_tokens: int, metrics: RequestMetrics) -> tuple:
+    """pack_output's flat form of a plain delta, from its parts (RequestGroup.plain_delta gives them)."""
+    return (request_id, text_delta, token_ids_delta, completion_tokens, cached_tokens, metrics.first_token_time,
+            metrics.last_token_time)
 
 
 def is_delta(packed: tuple) -> bool:

@@ -41,7 +41,7 @@ from cllm.config import CllmConfig
 from cllm.engine import async_llm
 from cllm.engine.core_protocol import (
     AbortRequest, AddRequest, Admitted, CoreFailed, CoreReady, CoreStopped, EmbedDone, EmbedRequest, Snapshot,
-    Settled, StepOutputs, StopCore, decode, encode, pack_output, portable_error,
+    Settled, StepOutputs, StopCore, decode, encode, pack_delta, pack_output, portable_error,
 )
 from cllm.engine.llm_engine import LLMEngine
 from cllm.errors import QueueFullError
@@ -332,11 +332,24 @@ class EngineCore:
         self._flush()
 
     def _flush(self) -> None:
-        if self.engine.has_held_outputs():  # (held while the API process was behind: see the loop)
-            self._hold(self.engine.take_held_outputs())
-        if self._held:
-            self._send([self._pack(out) for out in self._held.values()], self._snapshot_if_due())
+        deltas = self._take_held() if self.engine.has_held_outputs() else []
+        if self._held or deltas:
+            self._send(deltas + [self._pack(out) for out in self._held.values()], self._snapshot_if_due())
             self._held.clear()
+
+    def _take_held(self) -> list[tuple]:
+        """The engine's held groups (held while the API process was behind: see the loop): a plain delta
+        of a request already streaming, with nothing of it held here, packed straight from its group
+        (RequestGroup.plain_delta, core_protocol.pack_delta); any other made into an output and held."""
+        deltas: list[tuple] = []
+        for group in self.engine.take_held_groups():
+            rid = group.group_id
+            news = group.plain_delta() if rid in self._streaming and rid not in self._held else None
+            if news is None:
+                self._hold([group.make_output()])
+            else:
+                deltas.append(pack_delta(rid, *news, group.children[0].metrics))
+        return deltas
 
     def _flush_ends(self) -> None:
         """Send the held outputs that are their requests' first or last (a client waits on the first

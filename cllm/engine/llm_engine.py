@@ -759,8 +759,13 @@ class LLMEngine:
     def take_held_outputs(self) -> list[RequestOutput]:
         """One output per group held since the last call (see ``hold_outputs``): its news since its last
         output, in the order the groups were first held."""
+        return [group.make_output() for group in self.take_held_groups()]
+
+    def take_held_groups(self) -> list[RequestGroup]:
+        """The groups held since the last call, for a caller that makes their outputs itself
+        (``make_output``, or ``plain_delta``: the engine core's flush)."""
         held, self._held = self._held, {}
-        return [group.make_output() for gid, group in held.items() if gid in self._groups]
+        return [group for gid, group in held.items() if gid in self._groups]
 
     def _forget(self, group: RequestGroup) -> None:
         self._groups.pop(group.group_id, None)

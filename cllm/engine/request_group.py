@@ -90,6 +90,22 @@ class RequestGroup:
         return RequestOutput(self.group_id, self.prompt, first.prompt_token_ids, choices,
                              finished, usage, first.metrics, error, prompt_logprobs)
 
+    def plain_delta(self) -> tuple[str, list[int], int, int] | None:
+        """make_output's news for the commonest output, without building it: one choice still running,
+        no logprobs, no prompt scored: (text delta, token ids delta, completion tokens, cached tokens); None
+        for any other group (make_output then). The engine core's flush at 256 streams made and packed 256
+        outputs in ~1.1 ms (the step's host time is ~2.5 ms against a 5 ms device step), this ~0.3 ms."""
+        if len(self.children) != 1:
+            return None
+        child = self.children[0]
+        if (child.status >= FIRST_FINAL or child.params.logprobs is not None or child.scores_prompt
+                or child.stop_reason is not None or child.error):
+            return None
+        tokens = child.output_token_ids
+        new_tokens = tokens[self._sent_tokens[0]:]
+        self._sent_tokens[0] = len(tokens)
+        return self._detoks[0].take_delta(), new_tokens, len(tokens), child.num_cached_tokens or 0
+
     def _choice(self, i: int, group_finished: bool) -> CompletionOutput:
         child, detok = self.children[i], self._detoks[i]
         status = child.status

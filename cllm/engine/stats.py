@@ -58,6 +58,12 @@ class RunningRequestInfo:
     num_computed_tokens: int  # tokens in KV
     age_s: float  # seconds since arrival
 
+    def __reduce__(self) -> tuple[type, tuple]:
+        # Pickled as its fields: the engine core sends the whole list every 50 ms (its snapshot), and a slots
+        # dataclass's default pickling (a state dict per object) cost 0.52 ms for 256 of them, this 0.20.
+        return RunningRequestInfo, (self.request_id, self.slot, self.status, self.num_prompt_tokens,
+                                    self.num_output_tokens, self.num_computed_tokens, self.age_s)
+
 
 class RateMeter:
     """Tokens per second over a sliding window (a running sum: ``rate`` is O(1) amortised, as it is

@@ -413,14 +413,14 @@ def test_the_core_loop_ends_when_the_api_process_is_gone(running: bool) -> None:
 class _CoreOnAThread:
     """An EngineCore on a thread of this process over real pipes, read as the API process reads it."""
 
-    def __init__(self) -> None:
+    def __init__(self, slots: int = 2, keyed: bool = False) -> None:
         import multiprocessing
 
         from cllm.engine.engine_core import EngineCore, Sender
         from cllm.engine.llm_engine import LLMEngine
 
-        config = load_config(None, environ={}, n_seq_max=2, max_waiting=8, log_level="warning")
-        self.backend = NullBackend(slots=2, step_ms=1.0)
+        config = load_config(None, environ={}, n_seq_max=slots, max_waiting=8, log_level="warning")
+        self.backend = NullBackend(slots=slots, step_ms=1.0, keyed=keyed)
         self.engine = LLMEngine(config, backend=self.backend)
         self._commands, core_commands = multiprocessing.Pipe()
         core_outputs, self._outputs = multiprocessing.Pipe()
@@ -558,6 +558,69 @@ def test_a_requests_last_output_is_sent_at_once_while_the_others_wait_for_settle
         assert message is not None and message.settle and [p[0] for p in message.outputs] == ["a"]
     finally:
         core.close()
+
+
+def _mixed_requests(engine_stop: str) -> list[tuple[str, list[int], SamplingParams]]:
+    """A plain greedy request (the core packs its held news straight from its group), a seeded top-p one
+    with logprobs, and n=2 with a stop string (both made into outputs, then packed)."""
+    return [("g", [300, 301], SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)),
+            ("p", [302, 303], SamplingParams(max_tokens=40, temperature=0.8, top_p=0.9, seed=7, logprobs=2,
+                                             ignore_eos=True)),
+            ("n", [304], SamplingParams(max_tokens=30, temperature=1.0, seed=3, n=2, stop=[engine_stop], ignore_eos=True))]
+
+
+def _put_together(packed_outputs: list[tuple]) -> dict[str, tuple[dict, dict, list | None]]:
+    """Per request, from pack_output's tuples in either form: each choice's text and token ids put
+    together from the deltas, and the final output's (text, token_ids, finish_reason) per choice."""
+    out: dict[str, tuple[dict, dict, list | None]] = {}
+    for packed in packed_outputs:
+        texts, ids, final = out.setdefault(packed[0], ({}, {}, None))
+        if is_delta(packed):
+            texts[0] = texts.get(0, "") + packed[1]
+            ids[0] = ids.get(0, []) + list(packed[2])
+            continue
+        for choice in packed[1]:
+            texts[choice[0]] = texts.get(choice[0], "") + choice[6]
+            ids[choice[0]] = ids.get(choice[0], []) + list(choice[7])
+        if packed[2]:
+            out[packed[0]] = (texts, ids, [(c[1], c[2], c[3]) for c in packed[1]])
+    return out
+
+
+def test_news_packed_straight_from_held_groups_is_what_made_outputs_carry() -> None:
+    """The core's flush packs a held plain delta straight from its group (RequestGroup.plain_delta), and
+    makes every other held group's output (logprobs, n > 1, stop strings). Through the core, with Settled
+    withheld for a while again and again so that outputs are held, every request's text and token ids per
+    choice, and its final output, equal those of the in-process engine's outputs, one a step."""
+    from cllm.engine.core_protocol import Settled, pack_output
+    from cllm.engine.llm_engine import LLMEngine
+
+    config = load_config(None, environ={}, n_seq_max=4, max_waiting=8, log_level="warning")
+    engine = LLMEngine(config, backend=NullBackend(slots=4, keyed=True))
+    stop = engine.tokenizer.decode([333])
+    for rid, prompt, params in _mixed_requests(stop):
+        engine.add_request(prompt, params, request_id=rid)
+    expected: list[tuple] = []
+    while engine.has_unfinished():
+        expected += [pack_output(o) for o in engine.step()]
+    engine.close()
+
+    core = _CoreOnAThread(slots=4, keyed=True)
+    packed: list[tuple] = []
+    try:
+        for rid, prompt, params in _mixed_requests(stop):
+            core.add(rid, prompt, params)
+        while len({p[0] for p in packed if not is_delta(p) and p[2]}) < 3:
+            message = core.next_step_outputs(5.0)
+            assert message is not None
+            packed += message.outputs
+            if message.settle:
+                time.sleep(0.02)  # ~20 steps of 1 ms: the core holds meanwhile
+                core.send(Settled())
+    finally:
+        core.close()
+    assert _put_together(packed) == _put_together(expected)
+    assert any(is_delta(p) and p[0] == "g" and len(p[2]) > 1 for p in packed)  # held news, packed from the group
 
 
 def _engine_outputs(hold_on_steps: set[int], steps_between_takes: int = 3) -> tuple[list[RequestOutput], int]:
