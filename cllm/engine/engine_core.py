@@ -13,10 +13,10 @@ its own core.
 The loop: run the commands that came in (adds, aborts, embeddings), step, send the step's outputs as
 one message. An idle engine that receives requests first gathers the burst (as AsyncLLM does) so that
 closed-loop clients' next requests are prefilled together. A grammar's cold compile runs in a worker
-thread, never in the loop. When the API process falls behind (its pipe full, messages queued behind
-it), each request's new outputs are merged into one held for it (deltas concatenated, as AsyncLLM's
-outboxes do) and sent once the pipe has room: a busy event loop gets fewer, larger outputs (several
-tokens to one SSE event) instead of a backlog, and the engine keeps stepping.
+thread, never in the loop. While the API process is behind (it has not settled the last StepOutputs,
+or a message waits for room in the pipe), each request's news is held (LLMEngine.hold_outputs) and sent
+as one output once it has caught up: a busy event loop gets fewer, larger outputs (several tokens to one
+SSE event) instead of a backlog, and the engine keeps stepping.
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ import contextvars
 import dataclasses
 import logging
 import math
-import queue
+import os
 import select
 import signal
 import threading
@@ -41,7 +41,7 @@ from cllm.config import CllmConfig
 from cllm.engine import async_llm
 from cllm.engine.core_protocol import (
     AbortRequest, AddRequest, Admitted, CoreFailed, CoreReady, CoreStopped, EmbedDone, EmbedRequest, Snapshot,
-    Settled, StepOutputs, StopCore, decode, encode, pack_delta, pack_output, portable_error,
+    Settled, StepOutputs, StopCore, decode, encode, frame, pack_delta, pack_output, portable_error,
 )
 from cllm.engine.llm_engine import LLMEngine
 from cllm.errors import QueueFullError
@@ -118,38 +118,82 @@ class _Holder:
 
 
 class Sender:
-    """Writes messages to the pipe from a thread of its own: the loop only pickles and queues, so a full
-    pipe (the API process busy) never blocks a step, and the thread holds the GIL only to take the next
-    message (``send_bytes`` releases it while it writes)."""
+    """Writes messages to the pipe without ever blocking a step. A message goes out in the call that sends
+    it while the pipe has room; what does not fit (the API process behind), and everything sent after it,
+    waits in order for a thread of its own, which writes as the pipe drains (the GIL released while it
+    waits). Handing every message to that thread made each one wait for the thread to get the GIL from
+    the busy step loop, and each partial write of a message larger than the pipe wait again: a request's
+    first token and its end, which its client waits on, crossed later (issue 41)."""
 
     def __init__(self, conn: Connection) -> None:
         self._conn = conn
-        self._queue: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+        self._fd = conn.fileno()
+        os.set_blocking(self._fd, False)
+        self._lock = threading.Lock()
+        self._ready = threading.Condition(self._lock)
+        self._pending: collections.deque[memoryview] = collections.deque()  # frames (or their rest) in order
+        self._closing = False
         self.broken = False  # the API process is gone
         self._thread = threading.Thread(target=self._run, name="cllm-core-send", daemon=True)
         self._thread.start()
 
     def send(self, message: object) -> None:
-        self._queue.put(encode(message))
+        self.send_encoded(encode(message))
 
     def send_encoded(self, data: bytes) -> None:
-        self._queue.put(data)
+        rest: memoryview | None = memoryview(frame(data))
+        with self._lock:
+            if self.broken or self._closing:
+                return
+            if not self._pending:
+                rest = self._write(rest)
+            if rest is not None:
+                self._pending.append(rest)
+                self._ready.notify()
 
     def backlog(self) -> int:
-        return self._queue.qsize()
+        """Messages (or their rest) waiting for room in the pipe."""
+        return len(self._pending)
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Send what is queued, then stop (bounded: a dead reader must not hold the exit)."""
-        self._queue.put(None)
+        with self._lock:
+            self._closing = True
+            self._ready.notify()
         self._thread.join(timeout_s)
 
+    def _write(self, data: memoryview) -> memoryview | None:
+        """Write what fits (under the lock); the unwritten rest, or None."""
+        try:
+            n = os.write(self._fd, data)
+        except BlockingIOError:
+            return data
+        except OSError:
+            self.broken = True
+            self._pending.clear()
+            return None
+        return data[n:] if n < len(data) else None
+
     def _run(self) -> None:
-        while (data := self._queue.get()) is not None:
-            try:
-                self._conn.send_bytes(data)
-            except OSError:
-                self.broken = True
-                return
+        poller = select.poll()
+        poller.register(self._fd, select.POLLOUT)
+        while True:
+            with self._lock:
+                while not self._pending and not self._closing:
+                    self._ready.wait()
+                if not self._pending or self.broken:
+                    return  # closing, and everything sent
+            poller.poll(100)  # room in the pipe (or 0.1 s, to look again)
+            with self._lock:
+                while self._pending:
+                    head = self._pending[0]
+                    rest = self._write(head)
+                    if self.broken or (rest is not None and len(rest) == len(head)):
+                        break  # gone, or still full
+                    if rest is None:
+                        self._pending.popleft()
+                    else:
+                        self._pending[0] = rest
 
 
 class EngineCore:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import gc
 import itertools
 import time
 import uuid
@@ -25,6 +24,7 @@ from cllm.engine.prompt_logprobs import score_prompt_chunk
 from cllm.engine.request_group import RequestGroup
 from cllm.engine.stats import EngineStats, RateMeter, RunningRequestInfo
 from cllm.errors import ContextLengthError, QueueFullError
+from cllm.gc_freeze import raise_gc_threshold
 from cllm.handoff.snapshot import RequestSnapshot
 from cllm.multimodal.prompt import MultimodalPrompt
 from cllm.multimodal.span import ImageSpan
@@ -41,7 +41,6 @@ from cllm.structured.limits import ConstraintLimits, check_constraint
 from cllm.structured.manager import PendingMask
 
 Prompt = str | Sequence[int] | MultimodalPrompt
-GC_GEN0_THRESHOLD = 5000  # allocations between young-generation collections while an engine exists (_raise_gc_threshold)
 
 
 @dataclass(slots=True)
@@ -73,7 +72,7 @@ class LLMEngine:
 
     def __init__(self, config: CllmConfig, backend: Backend | None = None) -> None:
         self.config = config
-        _raise_gc_threshold()
+        raise_gc_threshold()
         self.backend = backend if backend is not None else create_backend(config)
         self.tokenizer = self.backend.tokenizer
         self.scheduler = Scheduler(self.backend, config.scheduler)
@@ -832,19 +831,6 @@ def constraint_limits(config: CllmConfig) -> ConstraintLimits:
     sc = config.structured
     return ConstraintLimits(max_text_bytes=sc.max_constraint_bytes, max_depth=sc.max_constraint_depth,
                             compile_timeout_s=sc.grammar_compile_timeout_s, cache_bytes=sc.grammar_cache_mib << 20)
-
-
-def _raise_gc_threshold() -> None:
-    """Raise the cyclic GC's first threshold to GC_GEN0_THRESHOLD (never lower it, never turn it on).
-
-    A step at 256 sequences allocates a few thousand short-lived objects (outputs, sampled tokens); at
-    CPython's default of 700 allocations a collection ran several times a step and promoted the step's
-    live objects to the older generations, whose full collections then walked the whole heap: 22 % of
-    the engine's time (benchmarks/engine_overhead.py, greedy, 256 sequences: 1.90 -> 1.46 ms a step).
-    The objects are freed by reference counting; a collection finds few cycles whenever it runs."""
-    gen0, gen1, gen2 = gc.get_threshold()
-    if 0 < gen0 < GC_GEN0_THRESHOLD:
-        gc.set_threshold(GC_GEN0_THRESHOLD, gen1, gen2)
 
 
 def _valid_text(text: str, name: str) -> str:

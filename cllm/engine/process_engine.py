@@ -54,6 +54,7 @@ from cllm.engine.pipe_writer import LoopPipeWriter
 from cllm.engine.llm_engine import LLMEngine, Prompt
 from cllm.engine.stats import EngineStats, RunningRequestInfo
 from cllm.errors import EngineDeadError, QueueFullError
+from cllm.gc_freeze import raise_gc_threshold
 from cllm.outputs import EmbeddingOutput, RequestOutput, aborted_before_start
 from cllm.sampling.params import SamplingParams
 from cllm.server.client_quota import payer_client
@@ -133,6 +134,7 @@ class ProcessEngine:
         self.config = config
         self._chat = None
         self._backend_factory = backend_factory
+        raise_gc_threshold()  # as LLMEngine does: this process's requests and outputs churn objects as a step does
         self.restart_policy = restart
         self._join_timeout_s = join_timeout_s
         self._process, self._outputs, self._commands, ready = _spawn_core(config, backend_factory, join_timeout_s)
@@ -515,7 +517,6 @@ def _spawn_core(config: CllmConfig, backend_factory: Callable[[], Backend] | Non
     process.start()
     commands_out.close()  # the child's ends
     outputs_in.close()
-    _shrink_pipe(outputs_out.fileno())
     commands = LoopPipeWriter(commands_in)
     try:
         ready = _wait_ready(process, outputs_out, join_timeout_s)
@@ -583,19 +584,6 @@ def _idle_snapshot(snapshot: Snapshot) -> Snapshot:
     stats = dataclasses.replace(snapshot[0], num_running=0, num_waiting=0, num_preempted=0, slots_in_use=0,
                                 kv_usage=0.0, tokens_per_s=0.0)
     return stats, []
-
-
-def _shrink_pipe(fd: int) -> None:
-    """The outputs pipe holds one page, not the default 64 kB: the core sees at once that the event loop
-    is behind (its sender has a message queued) and merges each request's next outputs into one, as
-    AsyncLLM's one-outstanding hand-overs do. With 64 kB, up to nine 64-stream steps sat in the pipe
-    unmerged, each unpacked and queued by a loop that was already behind. Linux only; elsewhere a no-op."""
-    try:
-        import fcntl
-
-        fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, 4096)
-    except (ImportError, OSError, AttributeError):
-        pass
 
 
 def _load_tokenizer(config: CllmConfig) -> Tokenizer:

@@ -8,7 +8,8 @@ import pytest
 
 from cllm.bench.null_backend import NullBackend
 from cllm.config import load_config
-from cllm.engine.llm_engine import GC_GEN0_THRESHOLD, LLMEngine
+from cllm.engine.llm_engine import LLMEngine
+from cllm.gc_freeze import GC_GEN0_THRESHOLD
 
 
 @pytest.fixture()
@@ -33,3 +34,20 @@ def test_engine_never_lowers_the_threshold_nor_turns_collection_on(gc_threshold,
     gc.set_threshold(*threshold)
     _engine().close()
     assert gc.get_threshold() == threshold
+
+
+def test_the_api_process_of_an_engine_core_raises_it_too(gc_threshold):
+    """ProcessEngine: the server's event loop churns a request's and an output's objects as a step does."""
+    import functools
+
+    from cllm.engine.process_engine import ProcessEngine
+
+    gc.set_threshold(700, 11, 12)
+    engine = ProcessEngine(load_config(None, environ={}, n_seq_max=4, engine_process="on", log_level="warning"),
+                           functools.partial(NullBackend, slots=4))
+    try:
+        assert gc.get_threshold() == (GC_GEN0_THRESHOLD, 11, 12)
+    finally:
+        import asyncio
+
+        asyncio.run(engine.shutdown())

@@ -96,3 +96,35 @@ def test_close_flushes_what_is_buffered() -> None:
     writer.close(timeout_s=10)
     thread.join(10)
     assert backlog > 0 and received == messages
+
+
+def test_the_cores_sender_never_blocks_a_step_and_keeps_order() -> None:
+    """engine_core.Sender: a message goes out in the call while the pipe has room; the rest waits for its
+    thread, in order, whole; close() sends what waits."""
+    from cllm.engine.engine_core import Sender
+
+    reader, writer_end = mp.Pipe(duplex=False)
+    sender = Sender(writer_end)
+    messages = _messages()
+    most = 0
+    for m in messages:  # nobody reads yet: the first 64 kB go at once, the rest waits
+        sender.send_encoded(m)
+        most = max(most, sender.backlog())
+    received: list[bytes] = []
+    thread = threading.Thread(target=_read_all, args=(reader, len(messages), 0.0, received))
+    thread.start()
+    sender.close(timeout_s=10)
+    thread.join(10)
+    assert most > 0 and received == messages
+
+
+def test_the_cores_sender_notices_a_reader_that_is_gone() -> None:
+    from cllm.engine.engine_core import Sender
+
+    reader, writer_end = mp.Pipe(duplex=False)
+    sender = Sender(writer_end)
+    reader.close()
+    sender.send_encoded(b"x" * BIG)
+    sender.send_encoded(b"after")
+    sender.close(timeout_s=5)
+    assert sender.broken and sender.backlog() == 0
