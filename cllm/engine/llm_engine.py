@@ -156,7 +156,8 @@ class LLMEngine:
             ids = self.tokenizer.encode(prompt, add_special=not starts_with_bos)
         elif isinstance(prompt, Sequence) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             ids = list(prompt)
-            bad = [t for t in ids if not 0 <= t < self.tokenizer.vocab_size]
+            vocab = self.tokenizer.vocab_size
+            bad = [] if not ids or (min(ids) >= 0 and max(ids) < vocab) else [t for t in ids if not 0 <= t < vocab]
             if bad:
                 raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary (size {self.tokenizer.vocab_size})")
         else:

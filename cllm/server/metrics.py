@@ -142,6 +142,7 @@ class ServerMetrics:
 
     def __init__(self, stats: Callable[[], Any | None]) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
+        self._by_model: dict[str, ModelMetrics] = {}  # for_model's, one per served model name
         r = self.registry
         self.requests = Counter("cllm_requests", "Generation requests by final status", ["model", "status"], registry=r)
         self.http_responses = Counter(
@@ -155,8 +156,12 @@ class ServerMetrics:
         r.register(EngineStatsCollector(stats))
 
     def for_model(self, model: str) -> ModelMetrics:
-        """The request metrics of one served model (their ``model`` label bound)."""
-        return ModelMetrics(self, model)
+        """The request metrics of one served model (their ``model`` label bound), made once per model:
+        every request asks, and binding the labels was four locked lookups each."""
+        bound = self._by_model.get(model)
+        if bound is None:
+            bound = self._by_model[model] = ModelMetrics(self, model)
+        return bound
 
     def render(self) -> bytes:
         """The Prometheus text exposition."""

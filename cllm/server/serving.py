@@ -16,7 +16,7 @@ from cllm.server.disconnect import ClientDisconnected, unless_disconnected
 from cllm.server.errors import APIError, finish_error
 from cllm.server.generation import GenerationStream, StreamEnd, request_status
 from cllm.server.protocol import PromptTokensDetails, UsageInfo
-from cllm.server.streaming import DONE, KEEPALIVE, EventStreamResponse, sse_json
+from cllm.server.streaming import DONE, KEEPALIVE, EventStreamResponse, LastChunk, sse_json
 
 log = logging.getLogger("cllm.server")
 
@@ -122,7 +122,7 @@ async def sse_events(
             log.error("stream failed", exc_info=exc)
             tail += framing.error(APIError(500, f"internal error: {type(exc).__name__}", code="internal_error"))
         if tail or framing.done:
-            yield tail + framing.done
+            yield LastChunk(tail + framing.done)
     finally:
         await stream.close()
 

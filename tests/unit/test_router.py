@@ -101,6 +101,7 @@ class Loads:
         self.built: list[str] = []
         self.fail: set[str] = set()
         self.gate: dict[str, threading.Event] = {}
+        self.forward_sleep_s = 0.0  # each fake forward's time (a test that needs a stream still running)
 
     def __call__(self, spec: ModelSpec) -> Any:
         gate = self.gate.get(spec.name)
@@ -109,7 +110,7 @@ class Loads:
         if spec.name in self.fail:
             raise ValueError(f"{spec.name}: not a model file")
         self.built.append(spec.name)
-        return cllm.AsyncLLM(backend=FakeBackend(slots=2), config=spec.config)
+        return cllm.AsyncLLM(backend=FakeBackend(slots=2, forward_sleep_s=self.forward_sleep_s), config=spec.config)
 
 
 def _router(loads: Loads, *names: str, keep_alive_s: float = KEEP_FOREVER, **settings: Any) -> Router:
@@ -437,6 +438,10 @@ def test_server_a_model_that_fails_to_load_leaves_the_others_serving(tmp_path: P
 
 def test_server_unload_of_a_busy_model_is_a_409_and_a_lease_lasts_the_whole_stream(tmp_path: Path,
                                                                                    fake_loads: Loads):
+    # Forwards of 20 ms: the stream is still running after its first line is read. With instant ones its
+    # 40 tokens merged into one last piece that the test client's buffer took at once, and the response
+    # (with its lease) could end before the unload below was asked.
+    fake_loads.forward_sleep_s = 0.02
     with TestClient(_two_model_app(tmp_path), base_url="http://localhost") as client:
         state = client.app.state.cllm
         seen_busy: list[int] = []

@@ -22,7 +22,7 @@ from cllm.server.generation import STREAM_END
 from cllm.server.metrics import _ITL_BUCKETS, TokenGapHistogram
 from cllm.server.protocol import ChatCompletionChunk, ChatStreamChoice, CompletionChoice, CompletionResponse, DeltaMessage
 from cllm.server.serving import ResponseMeta, sse_events
-from cllm.server.streaming import DONE, EventStreamResponse, TextEventTemplate, sse_model
+from cllm.server.streaming import DONE, EventStreamResponse, LastChunk, TextEventTemplate, sse_model
 
 import pytest
 
@@ -125,6 +125,7 @@ def test_each_output_is_one_write_and_the_last_comes_with_the_usage_and_done(mak
     for piece in pieces[prelude:prelude + 2]:
         assert piece.count(b"data: ") == 1
     last = pieces[-1]
+    assert isinstance(last, LastChunk)  # sent with the response's end (below)
     assert last.count(b"data: ") == 4 and last.endswith(DONE)  # the text, the finish, the usage, [DONE]
     assert b'"finish_reason":"length"' in last and b'"completion_tokens":1' in last
 
@@ -185,6 +186,27 @@ def test_a_disconnect_after_the_response_ended_cancels_nothing() -> None:
         assert client.sent[-1] == {"type": "http.response.body", "body": b"", "more_body": False}
 
     asyncio.run(run())
+
+
+def test_the_last_chunk_goes_with_the_responses_end_in_one_message_and_the_body_is_closed() -> None:
+    async def run() -> tuple[_Client, list[str]]:
+        client, log = _Client(), []
+
+        async def body():
+            try:
+                yield b"data: 1\n\n"
+                yield LastChunk(b"data: 2\n\ndata: [DONE]\n\n")
+                log.append("after the last")  # never: the response stops at the last chunk
+            finally:
+                log.append("closed")
+
+        await EventStreamResponse(body())({"type": "http"}, client.receive, client.send)
+        return client, log
+
+    client, log = asyncio.run(run())
+    assert log == ["closed"]
+    assert client.sent[1:] == [{"type": "http.response.body", "body": b"data: 1\n\n", "more_body": True},
+                               {"type": "http.response.body", "body": b"data: 2\n\ndata: [DONE]\n\n", "more_body": False}]
 
 
 def test_a_cancellation_from_elsewhere_is_not_swallowed_and_the_body_is_closed() -> None:
