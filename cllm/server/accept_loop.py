@@ -129,7 +129,9 @@ def run_eagerly(loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, Any],
             waited = coro.send(None)
         except StopIteration:
             done(None)
-        except BaseException as err:  # (the coroutine's own failure: reported, never raised into the loop)
+        except (KeyboardInterrupt, SystemExit):
+            raise  # (as a Task does)
+        except BaseException as err:  # the coroutine's own failure: reported, not raised into the loop
             done(err)
         else:
             if isinstance(waited, asyncio.Future):

@@ -120,3 +120,30 @@ def test_out_of_descriptors_pauses_accepting_then_resumes(monkeypatch: pytest.Mo
     calls, paused, resumed = asyncio.run(run())
     assert calls == 1  # no busy retry loop on a full descriptor table
     assert paused and resumed
+
+
+def test_run_eagerly_runs_at_once_then_on_as_what_it_awaits_completes() -> None:
+    from cllm.server.accept_loop import run_eagerly
+
+    async def run() -> tuple[list, list]:
+        loop = asyncio.get_running_loop()
+        gate = loop.create_future()
+        log: list = []
+        ended: list = []
+
+        async def work() -> None:
+            log.append("started")
+            log.append(await gate)
+            await asyncio.sleep(0)  # a bare yield: on at the next iteration
+            raise ValueError("its own failure")
+
+        run_eagerly(loop, work(), ended.append)
+        assert log == ["started"]  # in the call itself, not an iteration later as a Task
+        gate.set_result("woken")
+        for _ in range(5):
+            await asyncio.sleep(0)
+        return log, ended
+
+    log, ended = asyncio.run(run())
+    assert log == ["started", "woken"]
+    assert len(ended) == 1 and isinstance(ended[0], ValueError)

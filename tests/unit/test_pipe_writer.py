@@ -23,6 +23,16 @@ def _read_all(conn, n: int, delay_s: float, out: list[bytes]) -> None:
         out.append(conn.recv_bytes())
 
 
+def _read_while_closing(reader, writer, n: int) -> list[bytes]:
+    """What the reader gets while ``writer.close()`` sends what waits."""
+    received: list[bytes] = []
+    thread = threading.Thread(target=_read_all, args=(reader, n, 0.0, received))
+    thread.start()
+    writer.close(timeout_s=10)
+    thread.join(10)
+    return received
+
+
 def test_a_full_pipe_buffers_without_blocking_and_keeps_order() -> None:
     reader, writer_end = mp.Pipe(duplex=False)
     writer = LoopPipeWriter(writer_end)
@@ -82,7 +92,6 @@ def test_a_reader_that_is_gone_marks_the_writer_broken() -> None:
 def test_close_flushes_what_is_buffered() -> None:
     reader, writer_end = mp.Pipe(duplex=False)
     writer = LoopPipeWriter(writer_end)
-    received: list[bytes] = []
     messages = _messages()[:10]
 
     async def run() -> int:
@@ -91,11 +100,7 @@ def test_close_flushes_what_is_buffered() -> None:
         return writer.backlog()
 
     backlog = asyncio.run(run())
-    thread = threading.Thread(target=_read_all, args=(reader, len(messages), 0.0, received))
-    thread.start()
-    writer.close(timeout_s=10)
-    thread.join(10)
-    assert backlog > 0 and received == messages
+    assert backlog > 0 and _read_while_closing(reader, writer, len(messages)) == messages
 
 
 def test_the_cores_sender_never_blocks_a_step_and_keeps_order() -> None:
@@ -110,12 +115,7 @@ def test_the_cores_sender_never_blocks_a_step_and_keeps_order() -> None:
     for m in messages:  # nobody reads yet: the first 64 kB go at once, the rest waits
         sender.send_encoded(m)
         most = max(most, sender.backlog())
-    received: list[bytes] = []
-    thread = threading.Thread(target=_read_all, args=(reader, len(messages), 0.0, received))
-    thread.start()
-    sender.close(timeout_s=10)
-    thread.join(10)
-    assert most > 0 and received == messages
+    assert most > 0 and _read_while_closing(reader, sender, len(messages)) == messages
 
 
 def test_the_cores_sender_notices_a_reader_that_is_gone() -> None:
