@@ -69,7 +69,7 @@ def create_app(config: CllmConfig, engine: Any | None = None, engines: dict[str,
         state.metrics.http_responses.labels(route=route, code=str(record.status or 499)).inc()
 
     # Added innermost first: the body limit sees requests after logging and CORS.
-    app.add_middleware(ModelLeaseMiddleware)  # innermost: a request's model leases end after its response
+    app.add_middleware(ModelLeaseMiddleware)  # innermost: a request's model leases end with its response
     app.add_middleware(BodyLimitMiddleware, limit=state.max_body_bytes,
                        in_flight_bytes=config.server.max_body_bytes_in_flight, timeout_s=config.server.body_read_timeout_s)
     if config.server.api_key is not None:
