@@ -147,3 +147,19 @@ def test_run_eagerly_runs_at_once_then_on_as_what_it_awaits_completes() -> None:
     log, ended = asyncio.run(run())
     assert log == ["started", "woken"]
     assert len(ended) == 1 and isinstance(ended[0], ValueError)
+
+
+def test_run_eagerly_lets_keyboard_interrupt_through_as_a_task_does() -> None:
+    from cllm.server.accept_loop import run_eagerly
+
+    async def interrupted() -> None:
+        raise KeyboardInterrupt
+
+    ended: list = []
+    loop = asyncio.new_event_loop()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            run_eagerly(loop, interrupted(), ended.append)
+    finally:
+        loop.close()
+    assert ended == []  # not reported as the coroutine's own failure
