@@ -180,6 +180,23 @@ def test_queue_bound_and_bad_input():
         engine.add_request(list(range(10)) * 500, GREEDY)
 
 
+def test_token_prompts_take_ints_only_int_subclasses_too_but_never_bools():
+    """tokenize_prompt's fast check (the set of the items' types) and its per-item fallback agree."""
+    import enum
+
+    class Tok(enum.IntEnum):
+        ONE = 1
+
+    engine, _ = make_engine()
+    assert engine.tokenize_prompt([1, 2, 3]) == [1, 2, 3]
+    assert engine.tokenize_prompt((1, Tok.ONE)) == [1, 1]  # an int subclass: the per-item check takes it
+    for bad in ([1, True], [False], [1, 2.0], [1, "2"], [1, None]):
+        with pytest.raises(TypeError, match="a string or a list of token ids"):
+            engine.tokenize_prompt(bad)
+    with pytest.raises(ValueError, match="prompt is empty"):
+        engine.tokenize_prompt([])
+
+
 def test_n_greater_than_one_gives_n_choices():
     engine, _ = make_engine()
     engine.add_request([1], SamplingParams(max_tokens=3, temperature=0, n=3), request_id="multi")
