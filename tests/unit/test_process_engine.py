@@ -96,6 +96,33 @@ def test_streams_every_token_in_order_for_60_concurrent_requests() -> None:
     assert not engine.is_running  # shut down
 
 
+def test_a_token_prompt_goes_to_the_core_as_one_list_a_copy_of_the_callers() -> None:
+    """The AddRequest's prompt and prompt_ids are one list (pickled and unpickled once), the engine's own copy:
+    the caller changing its list afterwards changes nothing."""
+    from cllm.engine.core_protocol import decode
+
+    engine = _engine()
+    sent: list[object] = []
+
+    async def run() -> list[RequestOutput]:
+        try:
+            writer = engine._commands
+            original = writer.send_encoded
+            writer.send_encoded = lambda data: (sent.append(decode(data)), original(data))[1]
+            prompt = [300, 301, 302]
+            outs = _collect(engine, prompt)
+            task = asyncio.ensure_future(outs)
+            await asyncio.sleep(0)
+            prompt[0] = 999
+            return await task
+        finally:
+            await engine.shutdown()
+    outs = asyncio.run(run())
+    adds = [m for m in sent if type(m).__name__ == "AddRequest"]
+    assert len(adds) == 1 and adds[0].prompt is adds[0].prompt_ids and adds[0].prompt_ids == [300, 301, 302]
+    assert outs[-1].finished and outs[0].prompt_token_ids == [300, 301, 302]
+
+
 def test_a_caller_that_stops_early_aborts_its_request_in_the_core() -> None:
     engine = _engine(backend=functools.partial(NullBackend, slots=8, step_ms=5.0))
 
