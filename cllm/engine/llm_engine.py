@@ -322,11 +322,11 @@ class LLMEngine:
         req = Request(rid, list(ids), params, max_tokens, priority=priority, arrival_time=now,
                       deadline=now + timeout if timeout else None, eos_token_ids=self.tokenizer.eos_token_ids,
                       scores_prompt=index == 0 and params.prompt_logprobs is not None, mm_spans=spans)
-        self.keep_sampling_row(req, np.random.default_rng(seed % (1 << 64)))
+        self.keep_sampling_row(req, seed % (1 << 64))  # (the generator is made from it on first use)
         return req
 
-    def keep_sampling_row(self, req: Request, rng: np.random.Generator) -> None:
-        """Sample ``req`` with ``rng`` from now on."""
+    def keep_sampling_row(self, req: Request, rng: np.random.Generator | int) -> None:
+        """Sample ``req`` with ``rng`` (a generator, or the seed of one made on first use) from now on."""
         self._rows[req.request_id] = SamplingRow(req.params, rng, req.prompt_token_ids, req.output_token_ids, req.stop_ids)
 
     def rng_of(self, request_id: str) -> np.random.Generator:

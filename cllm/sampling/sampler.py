@@ -45,10 +45,12 @@ class SamplingRow:
     __slots__ = ("params", "_rng", "prompt_token_ids", "output_token_ids", "stop_ids", "adjusted", "draw_vocab",
                  "draw", "_ahead", "_rewind")
 
-    def __init__(self, params: SamplingParams, rng: np.random.Generator, prompt_token_ids: Sequence[int],
+    def __init__(self, params: SamplingParams, rng: np.random.Generator | int, prompt_token_ids: Sequence[int],
                  output_token_ids: Sequence[int], stop_ids: frozenset[int]) -> None:
         self.params = params  # the request's settings
-        self._rng = rng  # the request's own generator (``rng``: positioned after the numbers used)
+        # the request's own generator (``rng``: positioned after the numbers used); given as its seed (an int)
+        # it is made on first use: ~10 µs a request, and a greedy one never draws
+        self._rng: np.random.Generator | int = rng
         self.prompt_token_ids = prompt_token_ids  # for the repetition penalty
         self.output_token_ids = output_token_ids  # for all penalties and min_tokens
         self.stop_ids = stop_ids  # EOS + stop_token_ids (suppressed before min_tokens)
@@ -69,19 +71,26 @@ class SamplingRow:
         ``Generator.random(n)`` yields the same stream as n single calls)."""
         ahead = self._ahead
         if not ahead:
-            self._rewind = self._rng.bit_generator.state
-            ahead.extend(self._rng.random(UNIFORMS_AHEAD)[::-1].tolist())
+            rng = self._generator()
+            self._rewind = rng.bit_generator.state
+            ahead.extend(rng.random(UNIFORMS_AHEAD)[::-1].tolist())
         return ahead.pop()
+
+    def _generator(self) -> np.random.Generator:
+        if isinstance(self._rng, int):
+            self._rng = np.random.default_rng(self._rng)
+        return self._rng
 
     @property
     def rng(self) -> np.random.Generator:
         """The request's generator, positioned right after the numbers used (what was drawn ahead is
         given back), e.g. to save its state."""
+        rng = self._generator()
         if self._ahead:
-            self._rng.bit_generator.state = self._rewind
-            self._rng.random(UNIFORMS_AHEAD - len(self._ahead))  # the ones used
+            rng.bit_generator.state = self._rewind
+            rng.random(UNIFORMS_AHEAD - len(self._ahead))  # the ones used
             self._ahead.clear()
-        return self._rng
+        return rng
 
     def draw_for(self, vocab: int) -> int:
         """``draw`` for a vocabulary of ``vocab`` tokens (found on first use)."""

@@ -249,6 +249,31 @@ def test_uniforms_drawn_ahead_are_the_generators_own_stream_and_its_state_stays_
         assert [r.uniform() for _ in range(3)] == [plain.random() for _ in range(3)]
 
 
+def test_a_row_given_a_seed_makes_its_generator_on_first_use_the_same_stream():
+    """SamplingRow(params, seed): the generator is made when first needed (a draw or ``rng``), and it is the one
+    np.random.default_rng(seed) makes; a greedy request of an engine never makes one."""
+    from cllm.bench.null_backend import NullBackend
+    from cllm.config import load_config
+    from cllm.engine.llm_engine import LLMEngine
+
+    for used in (0, 1, 70):
+        lazy, plain = SamplingRow(SamplingParams(temperature=1.0), 11, [], [], frozenset()), np.random.default_rng(11)
+        assert [lazy.uniform() for _ in range(used)] == [plain.random() for _ in range(used)]
+        assert lazy.rng.bit_generator.state == plain.bit_generator.state
+    engine = LLMEngine(load_config(None, environ={}, n_seq_max=4), backend=NullBackend(slots=4))
+    try:
+        greedy = engine.add_request([300, 301], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+        seeded = engine.add_request([300, 301], SamplingParams(max_tokens=4, temperature=1.0, seed=5, ignore_eos=True))
+        engine.step()
+        engine.step()
+        seed = engine._rows[greedy]._rng
+        assert isinstance(seed, int)  # never drawn from: never made
+        assert isinstance(engine._rows[seeded]._rng, np.random.Generator)
+        assert engine.rng_of(greedy).bit_generator.state == np.random.default_rng(seed).bit_generator.state  # (hand-off)
+    finally:
+        engine.close()
+
+
 def test_near_bound_never_falls_below_the_exact_total_and_settles_clear_rows():
     """_near_bound (one row's tighter bound) is an upper bound on the float32 exact softmax total within
     the 1e-6 margin the callers apply, and above it by at most half of what top_p leaves beside the top
