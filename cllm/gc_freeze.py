@@ -36,9 +36,10 @@ def raise_gc_threshold() -> None:
     in young collections (90-100 of gen0, 1.7-4 ms each, and 7-8 of gen1, up to ~50 ms each). The objects a
     collection walks are those of the requests in flight (a request's live ~0.7 s), so collecting a quarter
     as often walks far fewer of them: 15-17 gen0 collections of up to ~50 ms, no gen1, 0.14-0.34 s; the
-    longest pause stays ~50 ms. Loop CPU per streamed token 17.0 -> 14.5 µs (medians of 5 alternating runs,
-    benchmarks/results/gc_threshold_2026-12-02/). The engine's own step time did not change (a step's
-    objects die within the step)."""
+    longest pause stays ~50 ms. With this session's other admission changes, the trees alternating at 256
+    streams: loop CPU per streamed token 16.6 -> 15.3-15.5 µs, served ratio +0.01-0.02
+    (benchmarks/results/gc_threshold_2026-12-02/). The engine's own step time did not change measurably
+    (a step's objects die within the step)."""
     gen0, gen1, gen2 = gc.get_threshold()
     if 0 < gen0 < GC_GEN0_THRESHOLD:
         gc.set_threshold(GC_GEN0_THRESHOLD, gen1, gen2)
