@@ -153,7 +153,9 @@ class ServerConfig(_Section):
     responses_store_ttl_s: float = Field(3600.0, gt=0, description="a stored response is forgotten this many seconds after it was stored")
     engine_process: Literal["auto", "on", "off"] = Field("auto", description="run the engine core in a process of its own, so the server's event loop never shares a GIL with it: auto = on for the torch backend on CUDA (few-ms steps, where sharing it cost the server over half its throughput), off otherwise (llama.cpp, CPU: long steps, one copy of the model in one process)")
 
-    @field_validator("engine_process", mode="before")
+    core_realtime: Literal["auto", "on", "off"] = Field("auto", description="give the engine core's loop thread real-time priority (SCHED_FIFO 1; threads it starts afterwards stay ordinary), so that on a machine whose cores it shares with the API process and the clients it never waits for a CPU while the device waits for it (cllm/engine/core_priority.py): auto = on where the forward runs on a device (torch on CUDA) and the process may (CAP_SYS_NICE or RLIMIT_RTPRIO), on = wherever the process may (a warning where it may not), off = never; only with engine_process")
+
+    @field_validator("engine_process", "core_realtime", mode="before")
     @classmethod
     def _engine_process_word(cls, value: object) -> object:
         # YAML 1.1 reads on / off as booleans (engine_process: on in config.yaml, --set engine_process=on)

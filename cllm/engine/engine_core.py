@@ -39,6 +39,7 @@ from typing import Any
 from cllm.backends.base import Backend
 from cllm.config import CllmConfig
 from cllm.engine import async_llm
+from cllm.engine.core_priority import use_realtime_priority
 from cllm.engine.core_protocol import (
     AbortRequest, AddRequest, Admitted, CoreFailed, CoreReady, CoreStopped, EmbedDone, EmbedRequest, Snapshot,
     Settled, StepOutputs, StopCore, decode, encode, frame, pack_delta, pack_output, portable_error,
@@ -97,6 +98,7 @@ def run_engine_core(spec: CoreSpec, commands: Connection, outputs: Connection) -
         sender.close()
         return
     freeze_live_objects()
+    use_realtime_priority(spec.config.server.core_realtime, engine.backend)
     sender.send_encoded(ready)
     EngineCore(engine, commands, sender).run()
 
