@@ -109,6 +109,17 @@ class SamplingRow:
         return self.draw
 
 
+def uniforms(rows: Sequence[SamplingRow]) -> list[float]:
+    """Each row's ``uniform()``: the number drawn ahead taken here, the call made only to draw more (a
+    method call per row was half of it)."""
+    return [r._ahead.pop() if r._ahead else r.uniform() for r in rows]
+
+
+def draws_for(rows: Sequence[SamplingRow], vocab: int) -> list[int]:
+    """Each row's ``draw_for(vocab)`` (found once per row; looked up here)."""
+    return [r.draw if r.draw_vocab == vocab else r.draw_for(vocab) for r in rows]
+
+
 @dataclass(slots=True)
 class SampledToken:
     """One row's result."""
@@ -479,7 +490,7 @@ def _draw_full(logits: np.ndarray, rows: Sequence[SamplingRow]) -> np.ndarray:
     for i, row in enumerate(rows):
         _truncate(probs[i], row.params)
     probs /= probs.sum(axis=1, keepdims=True)
-    u = np.array([r.uniform() for r in rows])[:, None]
+    u = np.array(uniforms(rows))[:, None]
     cdf = np.cumsum(probs, axis=1)
     picked = (cdf < u * cdf[:, -1:]).sum(axis=1)
     return np.minimum(picked, logits.shape[1] - 1)

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from cllm.sampling.params import SamplingParams
-from cllm.sampling.sampler import NO_ALTERNATIVES, SampledToken, SamplingRow
+from cllm.sampling.sampler import GREEDY, NO_ALTERNATIVES, SampledToken, SamplingRow, draws_for, uniforms
 
 # CPU: a truncating row is first cut from its top 64 probabilities, then 512, then all of them
 # (_truncated_draw); a tier is used only where it is at most a quarter of the vocabulary.
@@ -69,14 +69,16 @@ def sample_on_device(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> Devic
         _apply_biases_and_penalties(logits, rows)
         logprob_rows = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
     logprobs = torch.log_softmax(logits[logprob_rows], dim=-1) if logprob_rows else None
-    stochastic = [i for i, r in enumerate(rows) if not r.params.greedy]
+    draws = draws_for(rows, logits.shape[1])
+    stochastic = [i for i, d in enumerate(draws) if d != GREEDY]
     if len(stochastic) == len(rows):
-        chosen = _draw(logits, rows)  # (reads logits, as the greedy rows' argmax below would)
+        chosen = _draw(logits, rows, draws)  # (reads logits, as the greedy rows' argmax below would)
     else:
         chosen = argmax_rows(logits)
         if stochastic:
             index = torch.tensor(stochastic, device=logits.device)
-            chosen[index] = _draw(logits.index_select(0, index), [rows[i] for i in stochastic])
+            chosen[index] = _draw(logits.index_select(0, index), [rows[i] for i in stochastic],
+                                  [draws[i] for i in stochastic])
     return DeviceSample(chosen, rows, logprob_rows, logprobs)
 
 
@@ -144,11 +146,13 @@ def _apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
         flat.index_add_(0, index, -_to(device, amount))
 
 
-def _draw(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
-    """Temperature, min_p / top_k / top_p truncation, then one inverse-CDF draw per row.
+def _draw(logits: torch.Tensor, rows: Sequence[SamplingRow], draws: Sequence[int]) -> torch.Tensor:
+    """Temperature, min_p / top_k / top_p truncation, then one inverse-CDF draw per row (``draws``: the
+    rows' ``draw_for``, never GREEDY).
 
-    As the numpy sampler: a row that truncates walks its kept tokens largest first (ties by lower
-    id); a row that does not walks the whole vocabulary in id order.
+    As the numpy sampler: a row that truncates (min_p, top_p, or a top_k below the vocabulary: a draw
+    other than 0) walks its kept tokens largest first (ties by lower id); a row that does not walks the
+    whole vocabulary in id order.
     """
     device, vocab = logits.device, logits.shape[1]
     temps = _to(device, np.array([r.params.temperature for r in rows], dtype=np.float32))[:, None]
@@ -156,10 +160,9 @@ def _draw(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
     scaled -= scaled.amax(dim=1, keepdim=True)  # (max(dim) also finds the indices: 15x amax's time on a CPU)
     probs = _exp_(scaled)
     probs /= probs.sum(dim=1, keepdim=True)
-    u = _to(device, np.array([r.uniform() for r in rows], dtype=np.float64)).to(torch.float32)[:, None]
-    truncates = [_truncates(r.params, vocab) for r in rows]
-    truncating = [i for i, t in enumerate(truncates) if t]
-    whole = [i for i, t in enumerate(truncates) if not t]
+    u = _to(device, np.array(uniforms(rows), dtype=np.float64)).to(torch.float32)[:, None]
+    truncating = [i for i, d in enumerate(draws) if d]
+    whole = [i for i, d in enumerate(draws) if not d]
     chosen = torch.empty(len(rows), dtype=torch.int64, device=device)
     if whole:
         index = _to(device, np.array(whole))
@@ -179,11 +182,6 @@ def _exp_(x: torch.Tensor) -> torch.Tensor:
         return x.exp_()
     np.exp(x.numpy(), out=x.numpy())
     return x
-
-
-def _truncates(p: SamplingParams, vocab: int) -> bool:
-    """Whether a row keeps only some tokens (then it is drawn in probability order)."""
-    return bool(p.top_k and p.top_k < vocab) or p.top_p < 1.0 or p.min_p > 0
 
 
 def _truncated_draw(probs: torch.Tensor, params: Sequence[SamplingParams], u: torch.Tensor) -> torch.Tensor:
