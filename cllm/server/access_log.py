@@ -89,6 +89,7 @@ class AccessLogMiddleware:
             raise
         finally:
             level = logging.DEBUG if record.path in _QUIET_PATHS else logging.INFO
-            log.log(level, "%s", record.line())
+            if log.isEnabledFor(level):  # (the line is made only to be written)
+                log.log(level, "%s", record.line())
             if self.on_done is not None:
                 self.on_done(record)
