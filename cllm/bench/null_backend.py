@@ -32,6 +32,7 @@ must give the same tokens: what the lookahead's tests compare.
 """
 from __future__ import annotations
 
+import collections
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -203,9 +204,7 @@ class NullBackend(Backend):
     def forward_batch(self, flat_ids: Sequence[int], positions: Sequence[int], sequence_ids: Sequence[str], *,
                       logits_for: Sequence[str] | None = None, all_logits_for: Sequence[str] = ()) -> Any:
         self.num_forwards += 1
-        counts: dict[str, int] = {}
-        for sid in sequence_ids:
-            counts[sid] = counts.get(sid, 0) + 1
+        counts = collections.Counter(sequence_ids)  # (C-speed: a prompt is hundreds of rows)
         for sid, n in counts.items():  # positions continue each sequence's KV, as a real backend checks
             if sid not in self._computed:
                 raise BackendError(f"sequence {sid!r} was not admitted", [sid])
@@ -245,12 +244,8 @@ class NullBackend(Backend):
         """See :meth:`Backend.forward_ahead`: checked like a step, advancing nothing until confirmed."""
         self.num_forwards += 1
         computed, held = self._computed, self._held
-        counts: dict[str, int] = {}
-        for sid in flat_sequence_ids:
-            counts[sid] = counts.get(sid, 0) + 1
-        firsts: dict[str, int] = {}
-        for sid, pos in zip(flat_sequence_ids, flat_positions):
-            firsts.setdefault(sid, pos)
+        counts = collections.Counter(flat_sequence_ids)
+        firsts = dict(zip(reversed(flat_sequence_ids), reversed(flat_positions)))  # each one's first position
         for sid, pos, n in [(s, p, 1) for s, p in zip(sequence_ids, positions)] + [(s, firsts[s], n) for s, n in counts.items()]:
             if computed.get(sid) != pos:
                 raise BackendError(f"sequence {sid!r}: a step ahead at position {pos}, but it holds {computed.get(sid)} tokens", [sid])

@@ -515,14 +515,16 @@ class LLMEngine:
         launch only means the next step runs as today's do."""
         rows: list[int] = []
         decodes: list[ScheduledChunk] = []
+        running, reserve = RequestStatus.RUNNING, self.backend.reserve  # (looked up once: 256 rows a step)
         for i, req in enumerate(reqs):
-            if (req.status is not RequestStatus.RUNNING or req.needs_prompt_logits
-                    or len(req.output_token_ids) + 1 >= req.max_tokens
-                    or not self.backend.reserve(req.request_id, req.num_tokens + 1)):
+            if (req.status is not running or (req.scores_prompt and req.needs_prompt_logits)
+                    or len(req.output_token_ids) + 1 >= req.max_tokens):
+                continue
+            at = len(req.prompt_token_ids) + len(req.output_token_ids)  # num_tokens: the sampled token goes here
+            if not reserve(req.request_id, at + 1):
                 continue
             rows.append(i)
-            # (the sampled token is not appended yet: it goes at num_tokens)
-            decodes.append(ScheduledChunk(req, req.num_tokens, 1, True))
+            decodes.append(ScheduledChunk(req, at, 1, True))
         if not decodes and not later:
             return
         ids = None
