@@ -280,6 +280,7 @@ def device_proxy(args: argparse.Namespace) -> dict[str, dict]:
     for lookahead in ("off", "on"):
         proc, port = start_null_server(args, max(args.levels), ["--device-ms", str(d), f"--set=lookahead={lookahead}"])
         try:
+            out["core_realtime"] = _core_realtime(proc.pid)
             for mode, b in ((mode, b) for mode in args.modes for b in args.levels):
                 served = server_us_per_token(port, proc.pid, b, mode, args)
                 host = out["host_ms"][f"{mode}/{b}/lookahead_{lookahead}"]
@@ -306,6 +307,18 @@ def device_proxy(args: argparse.Namespace) -> dict[str, dict]:
             proc.terminate()
             proc.wait(timeout=30)
     return out
+
+
+def _core_realtime(pid: int) -> bool | None:
+    """Whether the engine core (``pid``'s child process) runs its loop at real-time priority
+    (server.core_realtime); None without a core process."""
+    cores = [int(k) for k in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+             if Path(f"/proc/{k}/comm").read_text().strip() == "cllm-core"]  # (not the resource tracker)
+    if not cores:
+        return None
+    policy = os.sched_getscheduler(cores[0]) & ~os.SCHED_RESET_ON_FORK
+    print(f"engine core loop: {'real-time (SCHED_FIFO)' if policy == os.SCHED_FIFO else 'ordinary'} priority", flush=True)
+    return policy == os.SCHED_FIFO
 
 
 def steady_tok_s(served: dict[str, float], port: int, pid: int, batch: int, mode: str, args: argparse.Namespace) -> float:

@@ -76,6 +76,7 @@ class CoreReady:
     device_memory_bytes: int = 0  # device memory torch reserved in the core after the load (CUDA; 0 on a CPU)
     device_total_bytes: int = 0  # the size of the device it uses (0 on a CPU)
     supports_images: bool = False  # a vision encoder is loaded (prompts may hold images)
+    realtime: bool = False  # the core's loop thread runs at real-time priority (server.core_realtime)
 
 
 @dataclass(slots=True)

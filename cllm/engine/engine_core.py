@@ -89,8 +89,9 @@ def run_engine_core(spec: CoreSpec, commands: Connection, outputs: Connection) -
         sender.send(CoreFailed(f"{type(err).__name__}: {err}"))
         sender.close()
         return
+    realtime = use_realtime_priority(spec.config.server.core_realtime, engine.backend)
     try:
-        ready = encode(_ready(engine, spec.config))
+        ready = encode(_ready(engine, spec.config, realtime))
     except Exception as err:  # a tokenizer that does not pickle: the API process may run the engine itself
         engine.close()
         sender.send(CoreFailed(f"its tokenizer cannot be sent to the API process ({type(err).__name__}: {err})",
@@ -98,12 +99,11 @@ def run_engine_core(spec: CoreSpec, commands: Connection, outputs: Connection) -
         sender.close()
         return
     freeze_live_objects()
-    use_realtime_priority(spec.config.server.core_realtime, engine.backend)
     sender.send_encoded(ready)
     EngineCore(engine, commands, sender).run()
 
 
-def _ready(engine: LLMEngine, config: CllmConfig) -> CoreReady:
+def _ready(engine: LLMEngine, config: CllmConfig, realtime: bool) -> CoreReady:
     from cllm.server.ready import device_text  # the same words as an in-process engine's
 
     # llama.cpp's tokenizer is a native handle: its pointer would pickle as a number and crash the API
@@ -111,7 +111,8 @@ def _ready(engine: LLMEngine, config: CllmConfig) -> CoreReady:
     tokenizer: Any = None if engine.backend.name == "llama_cpp" else engine.tokenizer
     return CoreReady(tokenizer, engine.max_model_len, async_llm.model_name_of(engine), device_text(_Holder(engine), config),
                      engine.backend.capacity.max_num_seqs, (engine.stats(), engine.running_requests()),
-                     engine.backend.determinism, cuda_reserved_bytes(), cuda_total_bytes(), engine.supports_images)
+                     engine.backend.determinism, cuda_reserved_bytes(), cuda_total_bytes(), engine.supports_images,
+                     realtime)
 
 
 @dataclass(slots=True)

@@ -147,6 +147,7 @@ class ProcessEngine:
         self.device_total_bytes = ready.device_total_bytes
         self.max_num_seqs = ready.max_num_seqs
         self.supports_images = ready.supports_images
+        self.core_realtime = ready.realtime  # its loop thread at real-time priority (for the ready lines)
         self._snapshot: Snapshot = ready.snapshot
         self._streams: dict[str, _Stream] = {}
         self._pending = 0  # sequences sent to the core whose Admitted has not come back
@@ -473,6 +474,7 @@ class ProcessEngine:
         self._outputs.close()
         self._process, self._outputs, self._commands = process, outputs, commands
         self._snapshot = ready.snapshot
+        self.core_realtime = ready.realtime
         self._reader = FrameReader(outputs.fileno())
         self._loop.add_reader(outputs.fileno(), self._on_readable)
         self._stopped = False

@@ -72,8 +72,7 @@ def ready_lines(config: CllmConfig, engine: Any, model: str, max_model_len: int)
         f"  API base  : {url}/v1{key_note}",
         f"  model     : {model}",
         f"  backend   : {device_text(engine, config)}",
-        f"  engine    : {'its own process' if getattr(engine, 'in_own_process', False) else 'a thread of this process'}"
-        f" (engine_process: {config.server.engine_process})",
+        f"  engine    : {_engine_text(engine)} (engine_process: {config.server.engine_process})",
     ]
     determinism = determinism_of(engine)
     if determinism is not None and determinism.on:
@@ -107,3 +106,12 @@ def ready_lines_models(config: CllmConfig, models: list[Any]) -> list[str]:
         lines.append(f"  model     : {info.name}{aliases}: {info.backend}, {info.path}, {keep}")
     lines.append(f"  try       : {curl_line(config, models[0].name)}")
     return lines
+
+
+def _engine_text(engine: object) -> str:
+    """Where the engine's loop runs, for the ready lines."""
+    if not getattr(engine, "in_own_process", False):
+        return "a thread of this process"
+    if getattr(engine, "core_realtime", False):
+        return "its own process, its loop at real-time priority (core_realtime)"
+    return "its own process"

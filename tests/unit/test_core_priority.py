@@ -99,5 +99,16 @@ def test_the_engine_core_process_runs_its_loop_at_realtime_priority_over_a_devic
             await engine.shutdown()
     policy, outs = asyncio.run(run())
     assert policy == (os.SCHED_FIFO if permitted else ORDINARY)
+    assert engine.core_realtime is permitted  # what the ready lines say
     assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 6
     assert _policy() == ORDINARY
+
+
+def test_the_ready_lines_say_where_the_loop_runs_and_at_what_priority():
+    from types import SimpleNamespace
+
+    from cllm.server.ready import _engine_text
+
+    assert _engine_text(SimpleNamespace()) == "a thread of this process"
+    assert _engine_text(SimpleNamespace(in_own_process=True, core_realtime=False)) == "its own process"
+    assert "real-time priority" in _engine_text(SimpleNamespace(in_own_process=True, core_realtime=True))
