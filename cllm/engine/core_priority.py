@@ -10,9 +10,10 @@ against the 5 ms device (benchmarks/results/core_priority_2026-12-02).
 
 ``SCHED_FIFO`` at the lowest real-time priority makes the woken loop thread run at once, ahead of every
 ordinary thread. It sleeps in every device wait and every idle poll, so it takes no more CPU than it did;
-the kernel still keeps 5 % of each CPU for ordinary threads (real-time throttling). ``SCHED_RESET_ON_FORK``:
-the threads the core starts afterwards (grammar compiles, the pipe's sender, CUDA's and torch's own) are
-ordinary threads again. The API process and the in-process engine thread are left as they are.
+the kernel still keeps 5 % of each CPU for ordinary threads (real-time throttling). Only this thread: the
+pipe's sender thread started before it stays ordinary, and ``SCHED_RESET_ON_FORK`` makes the threads the core
+starts afterwards (grammar compiles, CUDA's and torch's own) ordinary too. The API process and the in-process
+engine thread are left as they are.
 
 It needs CAP_SYS_NICE or an RLIMIT_RTPRIO of at least 1 (root outside a container; Docker does not grant
 CAP_SYS_NICE by default); without them the core runs as before, and says so in the log.
