@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -43,7 +44,7 @@ class SamplingRow:
     every step: reading a dozen settings per row and step was a third of a 256-row sampling call."""
 
     __slots__ = ("params", "_rng", "prompt_token_ids", "output_token_ids", "stop_ids", "adjusted", "draw_vocab",
-                 "draw", "_ahead", "_rewind")
+                 "draw", "_ahead", "_rewind", "table", "slot")
 
     def __init__(self, params: SamplingParams, rng: np.random.Generator | int, prompt_token_ids: Sequence[int],
                  output_token_ids: Sequence[int], stop_ids: frozenset[int]) -> None:
@@ -64,6 +65,13 @@ class SamplingRow:
         self.draw = 0
         self._ahead: list[float] = []  # numbers drawn ahead from the generator, not used yet (last first)
         self._rewind: dict | None = None  # the generator's state before the last UNIFORMS_AHEAD were drawn
+        # the torch sampler's SamplingTable holding this row's settings, and its slot there (while the row lives)
+        self.table: Any = None
+        self.slot = -1
+
+    def __del__(self) -> None:
+        if self.table is not None:
+            self.table.free(self.slot)
 
     def uniform(self) -> float:
         """The request's next random number in [0, 1): exactly what ``rng.random()`` would return, drawn
@@ -113,11 +121,6 @@ def uniforms(rows: Sequence[SamplingRow]) -> list[float]:
     """Each row's ``uniform()``: the number drawn ahead taken here, the call made only to draw more (a
     method call per row was half of it)."""
     return [r._ahead.pop() if r._ahead else r.uniform() for r in rows]
-
-
-def draws_for(rows: Sequence[SamplingRow], vocab: int) -> list[int]:
-    """Each row's ``draw_for(vocab)`` (found once per row; looked up here)."""
-    return [r.draw if r.draw_vocab == vocab else r.draw_for(vocab) for r in rows]
 
 
 @dataclass(slots=True)

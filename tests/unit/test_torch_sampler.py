@@ -229,5 +229,47 @@ def test_cpu_candidate_tiers_fall_through_where_the_kept_tokens_do_not_fit():
     probs[2] = torch.softmax(torch.arange(vocab, dtype=torch.float32) * -0.5, dim=0)  # peaked
     params = [SamplingParams(temperature=1.0, top_p=0.9), SamplingParams(temperature=1.0, top_p=0.1),
               SamplingParams(temperature=1.0, top_p=0.9)]
-    _, exact = torch_sampler._candidate_draw(probs, params, np.full(3, vocab), torch.full((3, 1), 0.5), 64)
+    settings = torch_sampler.table_for(probs.device, vocab).settings(make_rows(params, [0, 1, 2], [[]] * 3))
+    _, exact = torch_sampler._candidate_draw(probs, settings, torch.full((3, 1), 0.5), 64)
     assert exact.tolist() == [False, False, True]
+
+
+def test_the_sampling_table_keeps_a_slot_per_live_row_and_gives_it_back():
+    """The persistent settings (issue 41 §3): a row's settings are written into a slot once and gathered from
+    there; a dead row's slot goes to the next new row, whose settings then reach the device copy; growing
+    the table keeps every live row's; a row sampled at another vocabulary moves there."""
+    table = torch_sampler.SamplingTable(torch.device("cpu"), VOCAB, capacity=2)
+    a = make_rows([SamplingParams(temperature=0.5, top_p=0.9)], [1], [[]])[0]
+    b = make_rows([SamplingParams(temperature=0)], [2], [[]])[0]
+    s = table.settings([a, b])
+    assert (a.slot, b.slot) == (0, 1) and a.table is table
+    assert s.temperature_d.tolist() == [0.5, 0.0] and s.draw.tolist() == [np_sampler.WIDE, np_sampler.GREEDY]
+    del b
+    c = make_rows([SamplingParams(temperature=1.5, top_k=7, min_p=0.25)], [3], [[]])[0]
+    s = table.settings([c, a])
+    assert c.slot == 1  # the dead row's
+    assert s.temperature_d.tolist() == [1.5, 0.5] and s.min_p_d.tolist() == [0.25, 0.0]
+    assert s.top_k.tolist() == [7, VOCAB] and s.draw.tolist() == [7, np_sampler.WIDE]
+    more = make_rows([SamplingParams(temperature=0.1 * (i + 1), top_p=0.5) for i in range(5)], list(range(5)), [[]] * 5)
+    s = table.settings([a, *more, c])  # past the capacity of 2
+    assert s.temperature_d.tolist() == pytest.approx([0.5, 0.1, 0.2, 0.3, 0.4, 0.5, 1.5])
+    assert s.top_p_d.tolist() == pytest.approx([0.9, 0.5, 0.5, 0.5, 0.5, 0.5, 1.0])
+    assert len({r.slot for r in [a, *more, c]}) == 7
+    other = torch_sampler.SamplingTable(torch.device("cpu"), 2 * VOCAB)
+    assert other.settings([c]).top_k.tolist() == [7] and c.table is other
+    d = make_rows([SamplingParams(temperature=0.7)], [4], [[]])[0]
+    assert table.settings([d]).temperature_d.tolist() == pytest.approx([0.7]) and d.slot == 1  # c's, given back
+
+
+def test_seeded_draws_do_not_depend_on_which_slots_the_rows_hold():
+    """The same rows, placed in the table in another order and beside other rows, draw the same tokens."""
+    rng = np.random.default_rng(5)
+    logits = rng.normal(scale=2.0, size=(4, VOCAB)).astype(np.float32)
+    params = [SamplingParams(temperature=0.9, top_p=0.8), SamplingParams(temperature=1.1, top_k=20),
+              SamplingParams(temperature=0), SamplingParams(temperature=0.6, min_p=0.1)]
+    first = torch_sampler.sample(torch.from_numpy(logits.copy()), make_rows(params, [1, 2, 3, 4], [[]] * 4))
+    others = make_rows([SamplingParams(temperature=2.0, top_p=0.3)] * 9, list(range(9)), [[]] * 9)
+    torch_sampler.sample(torch.from_numpy(rng.normal(size=(9, VOCAB)).astype(np.float32)), others)
+    rows = make_rows(params[::-1], [4, 3, 2, 1], [[]] * 4)
+    again = torch_sampler.sample(torch.from_numpy(logits[::-1].copy()), rows)
+    assert [t.token_id for t in again[::-1]] == [t.token_id for t in first]
