@@ -76,13 +76,26 @@ class SamplingRow:
     def uniform(self) -> float:
         """The request's next random number in [0, 1): exactly what ``rng.random()`` would return, drawn
         UNIFORMS_AHEAD at a time (one generator call per row and step was a twentieth of a 256-row step;
-        ``Generator.random(n)`` yields the same stream as n single calls)."""
+        ``Generator.random(n)`` yields the same stream as n single calls). While the row is in a
+        SamplingTable, the numbers drawn ahead are kept there (the torch sampler takes a batch's at once)."""
+        if self.table is not None:
+            return self.table.uniform(self)
         ahead = self._ahead
         if not ahead:
-            rng = self._generator()
-            self._rewind = rng.bit_generator.state
-            ahead.extend(rng.random(UNIFORMS_AHEAD)[::-1].tolist())
+            ahead.extend(self.draw_ahead()[::-1].tolist())
         return ahead.pop()
+
+    def draw_ahead(self) -> np.ndarray:
+        """The generator's next UNIFORMS_AHEAD numbers (its state before them kept, for ``rng``)."""
+        rng = self._generator()
+        self._rewind = rng.bit_generator.state
+        return rng.random(UNIFORMS_AHEAD)
+
+    def take_ahead(self) -> list[float]:
+        """The numbers drawn ahead and not used yet, in order, handed over (to a SamplingTable)."""
+        ahead = self._ahead[::-1]
+        self._ahead.clear()
+        return ahead
 
     def _generator(self) -> np.random.Generator:
         if isinstance(self._rng, int):
@@ -94,10 +107,10 @@ class SamplingRow:
         """The request's generator, positioned right after the numbers used (what was drawn ahead is
         given back), e.g. to save its state."""
         rng = self._generator()
-        if self._ahead:
+        unused = len(self.take_ahead()) if self.table is None else self.table.drop_ahead(self.slot)
+        if unused:
             rng.bit_generator.state = self._rewind
-            rng.random(UNIFORMS_AHEAD - len(self._ahead))  # the ones used
-            self._ahead.clear()
+            rng.random(UNIFORMS_AHEAD - unused)  # the ones used
         return rng
 
     def draw_for(self, vocab: int) -> int:

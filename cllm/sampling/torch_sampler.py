@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from cllm.sampling.sampler import GREEDY, NO_ALTERNATIVES, SampledToken, SamplingRow, uniforms
+from cllm.sampling.sampler import GREEDY, NO_ALTERNATIVES, UNIFORMS_AHEAD, SampledToken, SamplingRow
 
 # CPU: a truncating row is first cut from its top 64 probabilities, then 512, then all of them
 # (_truncated_draw); a tier is used only where it is at most a quarter of the vocabulary.
@@ -78,7 +78,7 @@ def sample_on_device(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> Devic
         if len(stochastic):
             index = _to(logits.device, stochastic)
             chosen[index] = _draw(logits.index_select(0, index), [rows[i] for i in stochastic],
-                                  settings.take(stochastic, index))
+                                  settings.take(stochastic))
     return DeviceSample(chosen, rows, logprob_rows, logprobs)
 
 
@@ -87,75 +87,124 @@ class SamplingTable:
 
     A row's temperature, top_p, min_p, top_k, draw kind and whether it is adjusted are written once, when it
     is first sampled here, into a slot it keeps while it lives (``SamplingRow.__del__`` frees it): in host
-    arrays (for the host's decisions: which rows draw how) and in device tensors (for the math), which take
-    the slots written since the last step in one copy per column (on a CPU too: one code path). A step then
-    gathers its rows' settings by one index, instead of reading a handful of attributes from every row and
-    sending each list to the device (on a CPU, a seventh of a 256-row top-p call)."""
+    arrays (for the host's decisions: which rows draw how) and in one device tensor (for the math), which
+    takes the slots written since it was last used in one copy, when a batch first needs it (on a CPU too:
+    one code path). A step gathers its rows' settings by one index, instead of reading a handful of
+    attributes from every row and sending each list to the device. The slot also keeps the numbers drawn
+    ahead from the row's generator, so that a batch's uniforms are taken at once (``uniforms``)."""
 
     def __init__(self, device: torch.device, vocab: int, capacity: int = 64) -> None:
         self.device, self.vocab = device, vocab
-        self._lock = threading.Lock()  # (placing a row; two engines may share a device)
+        self._lock = threading.Lock()  # (two engines may share a device)
         self._free: list[int] = []  # freed slots
         self._used = 0  # slots handed out so far (freed ones included)
-        self._dirty: list[int] = []  # slots written since the device copy was last brought up to date
         self._host = {name: np.zeros(capacity, dtype) for name, dtype in _COLUMNS}
-        self._device = self._device_columns()
+        self._stale = np.zeros(capacity, dtype=np.bool_)  # written since the device copy was brought up to date
+        # each slot's numbers drawn ahead from its row's generator; host["cursor"]: how many are used
+        self._ahead = np.zeros((capacity, UNIFORMS_AHEAD))
+        self._device = self._device_copy()  # [capacity, len(_DEVICE_COLUMNS)] float32
 
     def settings(self, rows: Sequence[SamplingRow]) -> _Settings:
         """The settings of ``rows``, in their order (a row new here is given a slot)."""
-        slots = np.array([r.slot if r.table is self else self._place(r) for r in rows], dtype=np.int64)
-        if self._dirty:
-            self._to_device()
-        host, dev = self._host, self._device
-        index = _to(self.device, slots)
-        return _Settings(host["draw"][slots], host["adjusted"][slots], host["top_k"][slots], host["top_p"][slots],
-                         host["min_p"][slots], dev["temperature"][index], dev["top_p"][index], dev["min_p"][index])
+        with self._lock:
+            slots = np.array([r.slot if r.table is self else self._place(r) for r in rows], dtype=np.int64)
+            return _Settings(self, slots, {name: self._host[name][slots] for name in _ROW_COLUMNS})
+
+    def on_device(self, index: torch.Tensor) -> torch.Tensor:
+        """The device columns (``_DEVICE_COLUMNS``) of the slots at ``index`` (a device tensor)."""
+        with self._lock:
+            if self._stale.any():
+                stale = np.flatnonzero(self._stale)
+                self._stale[stale] = False
+                values = np.stack([self._host[name][stale] for name in _DEVICE_COLUMNS], axis=1)
+                self._device.index_copy_(0, _to(self.device, stale), _to(self.device, values))
+            return self._device.index_select(0, index)
+
+    def uniforms(self, rows: Sequence[SamplingRow], settings: _Settings) -> np.ndarray:
+        """Each row's next random number (``settings``: theirs), the batch's at once: exactly the numbers
+        ``row.uniform()`` would give, one by one (per-row Python was a quarter of a 256-row top-p call)."""
+        with self._lock:
+            slots, cursor, ahead = settings.slots, self._host["cursor"], self._ahead
+            if len(slots) > 1 and np.bincount(slots).max() > 1:  # (a row twice: one after the other)
+                return np.array([self._uniform(r) for r in rows])
+            used = cursor[slots]
+            for i in np.flatnonzero(used == UNIFORMS_AHEAD):  # (a row's UNIFORMS_AHEAD-th step)
+                self._draw_ahead(rows[i])
+                used[i] = 0
+            cursor[slots] = used + 1
+            return ahead[slots, used]
+
+    def uniform(self, row: SamplingRow) -> float:
+        """``row.uniform()`` of a row held here."""
+        with self._lock:
+            return self._uniform(row)
+
+    def drop_ahead(self, slot: int) -> int:
+        """Forget the numbers drawn ahead for ``slot``; how many were not used yet (``SamplingRow.rng``)."""
+        with self._lock:
+            unused = UNIFORMS_AHEAD - int(self._host["cursor"][slot])
+            self._host["cursor"][slot] = UNIFORMS_AHEAD
+            return unused
 
     def free(self, slot: int) -> None:
         self._free.append(slot)
 
+    def _uniform(self, row: SamplingRow) -> float:
+        cursor = self._host["cursor"]
+        if cursor[row.slot] == UNIFORMS_AHEAD:
+            self._draw_ahead(row)
+        used = int(cursor[row.slot])
+        cursor[row.slot] = used + 1
+        return float(self._ahead[row.slot, used])
+
+    def _draw_ahead(self, row: SamplingRow) -> None:
+        self._ahead[row.slot] = row.draw_ahead()
+        self._host["cursor"][row.slot] = 0
+
     def _place(self, row: SamplingRow) -> int:
-        with self._lock:
-            if row.table is not None:  # (sampled on another device or vocabulary before)
-                row.table.free(row.slot)
-                row.table = None
-            if self._free:
-                slot = self._free.pop()
-            else:
-                slot, self._used = self._used, self._used + 1
-                if slot == len(self._host["draw"]):
-                    self._grow()
-            p, vocab, host = row.params, self.vocab, self._host
-            host["temperature"][slot] = p.temperature
-            host["top_p"][slot] = p.top_p
-            host["min_p"][slot] = p.min_p
-            host["top_k"][slot] = p.top_k if p.top_k and p.top_k < vocab else vocab
-            host["draw"][slot] = row.draw_for(vocab)
-            host["adjusted"][slot] = row.adjusted
-            self._dirty.append(slot)
-            row.table, row.slot = self, slot
-            return slot
+        """Give ``row`` a slot and write its settings there; the numbers it drew ahead come along."""
+        if row.table is not None:  # (sampled on another device or vocabulary before; only its own
+            old = row.table          # engine's thread touches its slot there, so no lock is needed)
+            unused = old._ahead[row.slot, old._host["cursor"][row.slot]:].tolist()
+            old.free(row.slot)
+        else:
+            unused = row.take_ahead()
+        if self._free:
+            slot = self._free.pop()
+        else:
+            slot, self._used = self._used, self._used + 1
+            if slot == len(self._stale):
+                self._grow()
+        p, vocab, host = row.params, self.vocab, self._host
+        host["temperature"][slot] = p.temperature
+        host["top_p"][slot] = p.top_p
+        host["min_p"][slot] = p.min_p
+        host["top_k"][slot] = p.top_k if p.top_k and p.top_k < vocab else vocab
+        host["draw"][slot] = row.draw_for(vocab)
+        host["adjusted"][slot] = row.adjusted
+        # the unused numbers last in the slot's row, so that the count used since the row's last draw
+        # ahead is still the cursor (SamplingRow.rng rewinds by it)
+        host["cursor"][slot] = UNIFORMS_AHEAD - len(unused)
+        if unused:
+            self._ahead[slot, UNIFORMS_AHEAD - len(unused):] = unused
+        self._stale[slot] = True
+        row.table, row.slot = self, slot
+        return slot
 
     def _grow(self) -> None:
         self._host = {name: np.concatenate([a, np.zeros_like(a)]) for name, a in self._host.items()}
-        self._device = self._device_columns()
-        self._dirty.clear()  # (the new device copy is made from the host's)
+        self._ahead = np.concatenate([self._ahead, np.zeros_like(self._ahead)])
+        self._stale = np.zeros(len(self._stale) * 2, dtype=np.bool_)
+        self._device = self._device_copy()  # (made from the host's: nothing is stale)
 
-    def _device_columns(self) -> dict[str, torch.Tensor]:
-        return {name: torch.from_numpy(self._host[name].copy()).to(self.device) for name in _DEVICE_COLUMNS}
-
-    def _to_device(self) -> None:
-        with self._lock:
-            dirty = np.unique(np.array(self._dirty, dtype=np.int64))
-            self._dirty.clear()
-            index = _to(self.device, dirty)
-            for name in _DEVICE_COLUMNS:
-                self._device[name].index_copy_(0, index, _to(self.device, self._host[name][dirty]))
+    def _device_copy(self) -> torch.Tensor:
+        return _to(self.device, np.stack([self._host[name] for name in _DEVICE_COLUMNS], axis=1))
 
 
 _COLUMNS = (("temperature", np.float32), ("top_p", np.float32), ("min_p", np.float32), ("top_k", np.int64),
-            ("draw", np.int64), ("adjusted", np.bool_))
+            ("draw", np.int64), ("adjusted", np.bool_), ("cursor", np.int64))
 _DEVICE_COLUMNS = ("temperature", "top_p", "min_p")
+_ROW_COLUMNS = ("draw", "adjusted", "top_k", "top_p", "min_p")  # (the host's, in a batch's _Settings)
 _TABLES: dict[tuple[torch.device, int], SamplingTable] = {}
 
 
@@ -167,26 +216,31 @@ def table_for(device: torch.device, vocab: int) -> SamplingTable:
     return table
 
 
-@dataclass(slots=True)
 class _Settings:
-    """Some rows' sampling settings, in the rows' order: host arrays for the host's decisions, device tensors
-    (``*_d``) for the math. ``top_k`` is the vocabulary where a row has none."""
+    """Some rows' sampling settings, in the rows' order: host arrays for the host's decisions, and the
+    device's for the math (``device(name)``, gathered when first asked: a greedy batch never does).
+    ``top_k`` is the vocabulary where a row has none."""
 
-    draw: np.ndarray
-    adjusted: np.ndarray
-    top_k: np.ndarray
-    top_p: np.ndarray
-    min_p: np.ndarray
-    temperature_d: torch.Tensor
-    top_p_d: torch.Tensor
-    min_p_d: torch.Tensor
+    __slots__ = ("table", "slots", "draw", "adjusted", "top_k", "top_p", "min_p", "_on_device")
 
-    def take(self, index: np.ndarray, index_d: torch.Tensor) -> _Settings:
-        """The rows at ``index`` (``index_d``: the same on the device), ascending and distinct."""
-        if len(index) == len(self.draw):
+    def __init__(self, table: SamplingTable, slots: np.ndarray, host: dict[str, np.ndarray]) -> None:
+        """``host``: the host columns (``_ROW_COLUMNS``) of the rows at ``slots`` of ``table``, in their order."""
+        self.table, self.slots = table, slots
+        self.draw, self.adjusted, self.top_k = host["draw"], host["adjusted"], host["top_k"]
+        self.top_p, self.min_p = host["top_p"], host["min_p"]
+        self._on_device: torch.Tensor | None = None
+
+    def device(self, name: str) -> torch.Tensor:
+        """The rows' ``name`` (one of ``_DEVICE_COLUMNS``) on the device."""
+        if self._on_device is None:
+            self._on_device = self.table.on_device(_to(self.table.device, self.slots))
+        return self._on_device[:, _DEVICE_COLUMNS.index(name)]
+
+    def take(self, index: np.ndarray) -> _Settings:
+        """The rows at ``index`` (ascending and distinct)."""
+        if len(index) == len(self.slots):
             return self
-        return _Settings(self.draw[index], self.adjusted[index], self.top_k[index], self.top_p[index],
-                         self.min_p[index], self.temperature_d[index_d], self.top_p_d[index_d], self.min_p_d[index_d])
+        return _Settings(self.table, self.slots[index], {name: getattr(self, name)[index] for name in _ROW_COLUMNS})
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
@@ -261,11 +315,13 @@ def _draw(logits: torch.Tensor, rows: Sequence[SamplingRow], settings: _Settings
     whole vocabulary in id order.
     """
     device, vocab = logits.device, logits.shape[1]
-    scaled = logits / settings.temperature_d[:, None]
+    scaled = logits / settings.device("temperature")[:, None]
     scaled -= scaled.amax(dim=1, keepdim=True)  # (max(dim) also finds the indices: 15x amax's time on a CPU)
+    # Not normalised: every use below compares a share of a row's total (min_p's of its top value), so
+    # the division by the row's sum would change only rounding (a pass over every value: 60 µs a 256-row
+    # step on a CPU).
     probs = _exp_(scaled)
-    probs /= probs.sum(dim=1, keepdim=True)
-    u = _to(device, np.array(uniforms(rows), dtype=np.float64)).to(torch.float32)[:, None]
+    u = _to(device, settings.table.uniforms(rows, settings)).to(torch.float32)[:, None]
     truncating = settings.draw != 0
     chosen = torch.empty(len(rows), dtype=torch.int64, device=device)
     if not truncating.all():
@@ -276,7 +332,7 @@ def _draw(logits: torch.Tensor, rows: Sequence[SamplingRow], settings: _Settings
     if truncating.any():
         cut = np.flatnonzero(truncating)
         index = _to(device, cut)
-        chosen[index] = _truncated_draw(_rows(probs, index), settings.take(cut, index), _rows(u, index))
+        chosen[index] = _truncated_draw(_rows(probs, index), settings.take(cut), _rows(u, index))
     return chosen
 
 
@@ -303,7 +359,7 @@ def _truncated_draw(probs: torch.Tensor, settings: _Settings, u: torch.Tensor) -
     """
     device, vocab = probs.device, probs.shape[1]
     if (settings.min_p > 0).any():
-        probs = probs.masked_fill(probs < settings.min_p_d[:, None] * probs.amax(dim=1, keepdim=True), 0.0)
+        probs = probs.masked_fill(probs < settings.device("min_p")[:, None] * probs.amax(dim=1, keepdim=True), 0.0)
     top_k = settings.top_k
     chosen = torch.empty(len(top_k), dtype=torch.int64, device=device)
     todo = np.arange(len(top_k))
@@ -311,7 +367,7 @@ def _truncated_draw(probs: torch.Tensor, settings: _Settings, u: torch.Tensor) -
     if tiers:
         # A nucleus of one: the top token alone holds top_p of the mass (after top_k at least as much of a
         # smaller total). The sorted path keeps just it, and its first id (argmax's) among equal values.
-        alone = (probs.amax(dim=1) >= settings.top_p_d * probs.sum(dim=1)).numpy() & (settings.top_p < 1.0)
+        alone = (probs.amax(dim=1) >= settings.device("top_p") * probs.sum(dim=1)).numpy() & (settings.top_p < 1.0)
         if alone.any():
             index = _to(device, np.flatnonzero(alone))
             chosen[index] = argmax_rows(_rows(probs, index))
@@ -320,7 +376,7 @@ def _truncated_draw(probs: torch.Tensor, settings: _Settings, u: torch.Tensor) -
         if not len(todo):
             return chosen
         index = _to(device, todo)
-        picks, exact = _candidate_draw(_rows(probs, index), settings.take(todo, index), _rows(u, index), k)
+        picks, exact = _candidate_draw(_rows(probs, index), settings.take(todo), _rows(u, index), k)
         chosen[index] = picks
         todo = todo[~exact.numpy()]
     if not len(todo):
@@ -328,7 +384,7 @@ def _truncated_draw(probs: torch.Tensor, settings: _Settings, u: torch.Tensor) -
     index = _to(device, todo)
     rows = _rows(probs, index)
     sorted_probs, order = rows.sort(dim=1, descending=True, stable=True)  # ties: lower id first
-    kept = _cut(sorted_probs, rows, settings.take(todo, index))
+    kept = _cut(sorted_probs, rows, settings.take(todo))
     chosen[index] = _pick(kept, order, _rows(u, index))
     return chosen
 
@@ -368,7 +424,7 @@ def _cut(sorted_probs: torch.Tensor, probs: torch.Tensor, settings: _Settings) -
     if (top_p < 1.0).any():
         cut_k = top_k < vocab
         total = torch.where(_to(device, cut_k)[:, None], probs.masked_fill(probs < kth, 0.0), probs) if cut_k.any() else probs
-        mass = settings.top_p_d[:, None] * total.sum(dim=1, keepdim=True)
+        mass = settings.device("top_p")[:, None] * total.sum(dim=1, keepdim=True)
         # smallest prefix reaching the mass: the numpy sampler's searchsorted(cum, mass) + 1
         keep = (sorted_probs.cumsum(dim=1) < mass).sum(dim=1, keepdim=True) + 1
         keep = torch.where(_to(device, top_p < 1.0)[:, None], keep, vocab)

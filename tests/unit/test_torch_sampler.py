@@ -243,22 +243,22 @@ def test_the_sampling_table_keeps_a_slot_per_live_row_and_gives_it_back():
     b = make_rows([SamplingParams(temperature=0)], [2], [[]])[0]
     s = table.settings([a, b])
     assert (a.slot, b.slot) == (0, 1) and a.table is table
-    assert s.temperature_d.tolist() == [0.5, 0.0] and s.draw.tolist() == [np_sampler.WIDE, np_sampler.GREEDY]
+    assert s.device("temperature").tolist() == [0.5, 0.0] and s.draw.tolist() == [np_sampler.WIDE, np_sampler.GREEDY]
     del b
     c = make_rows([SamplingParams(temperature=1.5, top_k=7, min_p=0.25)], [3], [[]])[0]
     s = table.settings([c, a])
     assert c.slot == 1  # the dead row's
-    assert s.temperature_d.tolist() == [1.5, 0.5] and s.min_p_d.tolist() == [0.25, 0.0]
+    assert s.device("temperature").tolist() == [1.5, 0.5] and s.device("min_p").tolist() == [0.25, 0.0]
     assert s.top_k.tolist() == [7, VOCAB] and s.draw.tolist() == [7, np_sampler.WIDE]
     more = make_rows([SamplingParams(temperature=0.1 * (i + 1), top_p=0.5) for i in range(5)], list(range(5)), [[]] * 5)
     s = table.settings([a, *more, c])  # past the capacity of 2
-    assert s.temperature_d.tolist() == pytest.approx([0.5, 0.1, 0.2, 0.3, 0.4, 0.5, 1.5])
-    assert s.top_p_d.tolist() == pytest.approx([0.9, 0.5, 0.5, 0.5, 0.5, 0.5, 1.0])
+    assert s.device("temperature").tolist() == pytest.approx([0.5, 0.1, 0.2, 0.3, 0.4, 0.5, 1.5])
+    assert s.device("top_p").tolist() == pytest.approx([0.9, 0.5, 0.5, 0.5, 0.5, 0.5, 1.0])
     assert len({r.slot for r in [a, *more, c]}) == 7
     other = torch_sampler.SamplingTable(torch.device("cpu"), 2 * VOCAB)
     assert other.settings([c]).top_k.tolist() == [7] and c.table is other
     d = make_rows([SamplingParams(temperature=0.7)], [4], [[]])[0]
-    assert table.settings([d]).temperature_d.tolist() == pytest.approx([0.7]) and d.slot == 1  # c's, given back
+    assert table.settings([d]).device("temperature").tolist() == pytest.approx([0.7]) and d.slot == 1  # c's, given back
 
 
 def test_seeded_draws_do_not_depend_on_which_slots_the_rows_hold():
@@ -273,3 +273,27 @@ def test_seeded_draws_do_not_depend_on_which_slots_the_rows_hold():
     rows = make_rows(params[::-1], [4, 3, 2, 1], [[]] * 4)
     again = torch_sampler.sample(torch.from_numpy(logits[::-1].copy()), rows)
     assert [t.token_id for t in again[::-1]] == [t.token_id for t in first]
+
+
+def test_the_sampling_table_gives_each_row_its_own_stream_of_numbers_in_order():
+    """A row's numbers, taken a batch at a time from the table, one by one, after a move to another table,
+    and past a draw ahead, are its generator's stream in order; ``rng`` is positioned after the used ones."""
+    seed, ahead = 11, np_sampler.UNIFORMS_AHEAD
+    stream = np.random.default_rng(seed).random(3 * ahead)
+    row, other = make_rows([SamplingParams(temperature=1.0)] * 2, [seed, 12], [[], []])
+    got = [row.uniform() for _ in range(3)]  # before the row is in a table
+    table = torch_sampler.SamplingTable(torch.device("cpu"), VOCAB)
+    for _ in range(ahead):  # past its first draw ahead, beside another row
+        got.append(float(table.uniforms([other, row], table.settings([other, row]))[1]))
+    got.append(row.uniform())
+    moved = torch_sampler.SamplingTable(torch.device("cpu"), 2 * VOCAB)
+    got += table_draws(moved, [row], 2)
+    assert got == stream[:len(got)].tolist()
+    assert row.rng.random() == stream[len(got)]  # and the next one
+    assert row.uniform() == stream[len(got) + 1]
+    twice = moved.uniforms([row, row], moved.settings([row, row]))  # one row twice: one number after the other
+    assert twice.tolist() == stream[len(got) + 2:len(got) + 4].tolist()
+
+
+def table_draws(table: torch_sampler.SamplingTable, rows: list[SamplingRow], steps: int) -> list[float]:
+    return [float(table.uniforms(rows, table.settings(rows))[0]) for _ in range(steps)]
