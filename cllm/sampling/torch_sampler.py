@@ -116,7 +116,7 @@ class SamplingTable:
             if self._stale.any():
                 stale = np.flatnonzero(self._stale)
                 self._stale[stale] = False
-                values = np.stack([self._host[name][stale] for name in _DEVICE_COLUMNS], axis=1)
+                values = np.stack([self._host[name][stale] for name in _DEVICE_COLUMNS], axis=1).astype(np.float32)
                 self._device.index_copy_(0, _to(self.device, stale), _to(self.device, values))
             return self._device.index_select(0, index)
 
@@ -198,12 +198,12 @@ class SamplingTable:
         self._device = self._device_copy()  # (made from the host's: nothing is stale)
 
     def _device_copy(self) -> torch.Tensor:
-        return _to(self.device, np.stack([self._host[name] for name in _DEVICE_COLUMNS], axis=1))
+        return _to(self.device, np.stack([self._host[name] for name in _DEVICE_COLUMNS], axis=1).astype(np.float32))
 
 
 _COLUMNS = (("temperature", np.float32), ("top_p", np.float32), ("min_p", np.float32), ("top_k", np.int64),
             ("draw", np.int64), ("adjusted", np.bool_), ("cursor", np.int64))
-_DEVICE_COLUMNS = ("temperature", "top_p", "min_p")
+_DEVICE_COLUMNS = ("temperature", "top_p", "min_p", "top_k")  # (float32 on the device: top_k exact below 2**24)
 _ROW_COLUMNS = ("draw", "adjusted", "top_k", "top_p", "min_p")  # (the host's, in a batch's _Settings)
 _TABLES: dict[tuple[torch.device, int], SamplingTable] = {}
 
@@ -231,7 +231,7 @@ class _Settings:
         self._on_device: torch.Tensor | None = None
 
     def device(self, name: str) -> torch.Tensor:
-        """The rows' ``name`` (one of ``_DEVICE_COLUMNS``) on the device."""
+        """The rows' ``name`` (one of ``_DEVICE_COLUMNS``) on the device (a view: not to be changed in place)."""
         if self._on_device is None:
             self._on_device = self.table.on_device(_to(self.table.device, self.slots))
         return self._on_device[:, _DEVICE_COLUMNS.index(name)]
@@ -419,15 +419,15 @@ def _cut(sorted_probs: torch.Tensor, probs: torch.Tensor, settings: _Settings) -
     device, vocab = probs.device, probs.shape[1]
     top_k, top_p = settings.top_k, settings.top_p
     # (a row without top_k: its smallest value here, which cuts nothing)
-    kth = sorted_probs.gather(1, _to(device, np.minimum(top_k, sorted_probs.shape[1]) - 1)[:, None])
+    kth = sorted_probs.gather(1, settings.device("top_k").long().clamp_(max=sorted_probs.shape[1])[:, None] - 1)
     sorted_probs = sorted_probs.masked_fill(sorted_probs < kth, 0.0)
     if (top_p < 1.0).any():
-        cut_k = top_k < vocab
-        total = torch.where(_to(device, cut_k)[:, None], probs.masked_fill(probs < kth, 0.0), probs) if cut_k.any() else probs
+        total = torch.where(settings.device("top_k")[:, None] < vocab, probs.masked_fill(probs < kth, 0.0), probs) \
+            if (top_k < vocab).any() else probs
         mass = settings.device("top_p")[:, None] * total.sum(dim=1, keepdim=True)
         # smallest prefix reaching the mass: the numpy sampler's searchsorted(cum, mass) + 1
         keep = (sorted_probs.cumsum(dim=1) < mass).sum(dim=1, keepdim=True) + 1
-        keep = torch.where(_to(device, top_p < 1.0)[:, None], keep, vocab)
+        keep = torch.where(settings.device("top_p")[:, None] < 1.0, keep, vocab)
         ranks = torch.arange(sorted_probs.shape[1], device=device)[None, :]
         sorted_probs = sorted_probs.masked_fill(ranks >= keep, 0.0)
     return sorted_probs

@@ -249,7 +249,8 @@ def test_the_sampling_table_keeps_a_slot_per_live_row_and_gives_it_back():
     s = table.settings([c, a])
     assert c.slot == 1  # the dead row's
     assert s.device("temperature").tolist() == [1.5, 0.5] and s.device("min_p").tolist() == [0.25, 0.0]
-    assert s.top_k.tolist() == [7, VOCAB] and s.draw.tolist() == [7, np_sampler.WIDE]
+    assert s.top_k.tolist() == [7, VOCAB] and s.device("top_k").tolist() == [7, VOCAB]
+    assert s.draw.tolist() == [7, np_sampler.WIDE]
     more = make_rows([SamplingParams(temperature=0.1 * (i + 1), top_p=0.5) for i in range(5)], list(range(5)), [[]] * 5)
     s = table.settings([a, *more, c])  # past the capacity of 2
     assert s.device("temperature").tolist() == pytest.approx([0.5, 0.1, 0.2, 0.3, 0.4, 0.5, 1.5])
