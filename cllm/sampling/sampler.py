@@ -44,7 +44,7 @@ class SamplingRow:
     every step: reading a dozen settings per row and step was a third of a 256-row sampling call."""
 
     __slots__ = ("params", "_rng", "prompt_token_ids", "output_token_ids", "stop_ids", "adjusted", "draw_vocab",
-                 "draw", "_ahead", "_rewind", "table", "slot")
+                 "draw", "plain", "_ahead", "_rewind", "table", "slot")
 
     def __init__(self, params: SamplingParams, rng: np.random.Generator | int, prompt_token_ids: Sequence[int],
                  output_token_ids: Sequence[int], stop_ids: frozenset[int]) -> None:
@@ -59,6 +59,7 @@ class SamplingRow:
         p = params
         self.adjusted = bool(p.logit_bias or p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty
                              or p.logprobs is not None or (p.min_tokens and stop_ids))
+        self.plain = p.temperature == 0.0 and not self.adjusted  # its argmax, nothing else
         # How the row draws over a vocabulary of draw_vocab tokens (0: not found yet): GREEDY, WIDE,
         # or from its top k candidates (k > 0), or the whole distribution (0).
         self.draw_vocab = 0

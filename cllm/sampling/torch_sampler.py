@@ -64,6 +64,8 @@ def sample_on_device(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> Devic
         raise ValueError(f"logits of shape {tuple(logits.shape)} for {len(rows)} sequences (want [{len(rows)}, vocab])")
     if logits.dtype != torch.float32:
         raise ValueError(f"logits dtype {logits.dtype}: the sampler works in float32, as the numpy one")
+    if all(r.plain for r in rows):  # the usual greedy batch: its argmax (a row loop costs less than numpy calls)
+        return DeviceSample(argmax_rows(logits), rows, [], None)
     settings = table_for(logits.device, logits.shape[1]).settings(rows)
     logprob_rows: list[int] = []
     if settings.adjusted.any():  # (one look at a plain batch, not one per setting)
@@ -98,33 +100,35 @@ class SamplingTable:
         self._lock = threading.Lock()  # (two engines may share a device)
         self._free: list[int] = []  # freed slots
         self._used = 0  # slots handed out so far (freed ones included)
-        self._host = {name: np.zeros(capacity, dtype) for name, dtype in _COLUMNS}
-        self._stale = np.zeros(capacity, dtype=np.bool_)  # written since the device copy was brought up to date
-        # each slot's numbers drawn ahead from its row's generator; host["cursor"]: how many are used
+        # per slot: what the host decides by (_DECIDE, float64: exact for every value), what the math takes
+        # (_MATH, float32, mirrored to the device), and the numbers drawn ahead with how many are used
+        self._decide = np.zeros((capacity, len(_DECIDE)))
+        self._math = np.zeros((capacity, len(_MATH)), dtype=np.float32)
         self._ahead = np.zeros((capacity, UNIFORMS_AHEAD))
-        self._device = self._device_copy()  # [capacity, len(_DEVICE_COLUMNS)] float32
+        self._cursor = np.zeros(capacity, dtype=np.int64)
+        self._stale = np.zeros(capacity, dtype=np.bool_)  # written since the device copy was brought up to date
+        self._device = self._device_copy()
 
     def settings(self, rows: Sequence[SamplingRow]) -> _Settings:
         """The settings of ``rows``, in their order (a row new here is given a slot)."""
         with self._lock:
             slots = np.array([r.slot if r.table is self else self._place(r) for r in rows], dtype=np.int64)
-            return _Settings(self, slots, {name: self._host[name][slots] for name in _ROW_COLUMNS})
+            return _Settings(self, slots, self._decide[slots])
 
     def on_device(self, index: torch.Tensor) -> torch.Tensor:
-        """The device columns (``_DEVICE_COLUMNS``) of the slots at ``index`` (a device tensor)."""
+        """The device columns (``_MATH``) of the slots at ``index`` (a device tensor)."""
         with self._lock:
             if self._stale.any():
                 stale = np.flatnonzero(self._stale)
                 self._stale[stale] = False
-                values = np.stack([self._host[name][stale] for name in _DEVICE_COLUMNS], axis=1).astype(np.float32)
-                self._device.index_copy_(0, _to(self.device, stale), _to(self.device, values))
+                self._device.index_copy_(0, _to(self.device, stale), _to(self.device, self._math[stale]))
             return self._device.index_select(0, index)
 
     def uniforms(self, rows: Sequence[SamplingRow], settings: _Settings) -> np.ndarray:
         """Each row's next random number (``settings``: theirs), the batch's at once: exactly the numbers
         ``row.uniform()`` would give, one by one (per-row Python was a quarter of a 256-row top-p call)."""
         with self._lock:
-            slots, cursor, ahead = settings.slots, self._host["cursor"], self._ahead
+            slots, cursor, ahead = settings.slots, self._cursor, self._ahead
             if len(slots) > 1 and np.bincount(slots).max() > 1:  # (a row twice: one after the other)
                 return np.array([self._uniform(r) for r in rows])
             used = cursor[slots]
@@ -142,15 +146,15 @@ class SamplingTable:
     def drop_ahead(self, slot: int) -> int:
         """Forget the numbers drawn ahead for ``slot``; how many were not used yet (``SamplingRow.rng``)."""
         with self._lock:
-            unused = UNIFORMS_AHEAD - int(self._host["cursor"][slot])
-            self._host["cursor"][slot] = UNIFORMS_AHEAD
+            unused = UNIFORMS_AHEAD - int(self._cursor[slot])
+            self._cursor[slot] = UNIFORMS_AHEAD
             return unused
 
     def free(self, slot: int) -> None:
         self._free.append(slot)
 
     def _uniform(self, row: SamplingRow) -> float:
-        cursor = self._host["cursor"]
+        cursor = self._cursor
         if cursor[row.slot] == UNIFORMS_AHEAD:
             self._draw_ahead(row)
         used = int(cursor[row.slot])
@@ -159,13 +163,13 @@ class SamplingTable:
 
     def _draw_ahead(self, row: SamplingRow) -> None:
         self._ahead[row.slot] = row.draw_ahead()
-        self._host["cursor"][row.slot] = 0
+        self._cursor[row.slot] = 0
 
     def _place(self, row: SamplingRow) -> int:
         """Give ``row`` a slot and write its settings there; the numbers it drew ahead come along."""
         if row.table is not None:  # (sampled on another device or vocabulary before; only its own
             old = row.table          # engine's thread touches its slot there, so no lock is needed)
-            unused = old._ahead[row.slot, old._host["cursor"][row.slot]:].tolist()
+            unused = old._ahead[row.slot, old._cursor[row.slot]:].tolist()
             old.free(row.slot)
         else:
             unused = row.take_ahead()
@@ -175,16 +179,13 @@ class SamplingTable:
             slot, self._used = self._used, self._used + 1
             if slot == len(self._stale):
                 self._grow()
-        p, vocab, host = row.params, self.vocab, self._host
-        host["temperature"][slot] = p.temperature
-        host["top_p"][slot] = p.top_p
-        host["min_p"][slot] = p.min_p
-        host["top_k"][slot] = p.top_k if p.top_k and p.top_k < vocab else vocab
-        host["draw"][slot] = row.draw_for(vocab)
-        host["adjusted"][slot] = row.adjusted
+        p, vocab = row.params, self.vocab
+        top_k, draw = p.top_k if p.top_k and p.top_k < vocab else vocab, row.draw_for(vocab)
+        self._decide[slot] = (draw, row.adjusted, top_k, np.float32(p.top_p), np.float32(p.min_p))
+        self._math[slot] = (p.temperature, p.top_p, p.min_p, top_k)
         # the unused numbers last in the slot's row, so that the count used since the row's last draw
         # ahead is still the cursor (SamplingRow.rng rewinds by it)
-        host["cursor"][slot] = UNIFORMS_AHEAD - len(unused)
+        self._cursor[slot] = UNIFORMS_AHEAD - len(unused)
         if unused:
             self._ahead[slot, UNIFORMS_AHEAD - len(unused):] = unused
         self._stale[slot] = True
@@ -192,55 +193,57 @@ class SamplingTable:
         return slot
 
     def _grow(self) -> None:
-        self._host = {name: np.concatenate([a, np.zeros_like(a)]) for name, a in self._host.items()}
-        self._ahead = np.concatenate([self._ahead, np.zeros_like(self._ahead)])
+        self._decide, self._math, self._ahead, self._cursor = (np.concatenate([a, np.zeros_like(a)]) for a in
+                                                               (self._decide, self._math, self._ahead, self._cursor))
         self._stale = np.zeros(len(self._stale) * 2, dtype=np.bool_)
         self._device = self._device_copy()  # (made from the host's: nothing is stale)
 
     def _device_copy(self) -> torch.Tensor:
-        return _to(self.device, np.stack([self._host[name] for name in _DEVICE_COLUMNS], axis=1).astype(np.float32))
+        return _to(self.device, self._math)
 
 
-_COLUMNS = (("temperature", np.float32), ("top_p", np.float32), ("min_p", np.float32), ("top_k", np.int64),
-            ("draw", np.int64), ("adjusted", np.bool_), ("cursor", np.int64))
-_DEVICE_COLUMNS = ("temperature", "top_p", "min_p", "top_k")  # (float32 on the device: top_k exact below 2**24)
-_ROW_COLUMNS = ("draw", "adjusted", "top_k", "top_p", "min_p")  # (the host's, in a batch's _Settings)
-_TABLES: dict[tuple[torch.device, int], SamplingTable] = {}
+_DECIDE = ("draw", "adjusted", "top_k", "top_p", "min_p")  # (top_k: the vocabulary where a row has none)
+_MATH = ("temperature", "top_p", "min_p", "top_k")  # (float32: top_k is exact below 2**24)
+_TABLES: dict[tuple[str, int | None, int], SamplingTable] = {}
 
 
 def table_for(device: torch.device, vocab: int) -> SamplingTable:
     """The SamplingTable of ``device`` for a vocabulary of ``vocab`` tokens (made on first use)."""
-    table = _TABLES.get((device, vocab))
+    key = (device.type, device.index, vocab)  # (hashing a torch.device took longer)
+    table = _TABLES.get(key)
     if table is None:
-        table = _TABLES.setdefault((device, vocab), SamplingTable(device, vocab))
+        table = _TABLES.setdefault(key, SamplingTable(device, vocab))
     return table
 
 
 class _Settings:
-    """Some rows' sampling settings, in the rows' order: host arrays for the host's decisions, and the
-    device's for the math (``device(name)``, gathered when first asked: a greedy batch never does).
-    ``top_k`` is the vocabulary where a row has none."""
+    """Some rows' sampling settings, in the rows' order: the host's columns (``draw``, ``adjusted``, ``top_k``,
+    ``top_p``, ``min_p``) for its decisions, and the device's for the math (``device(name)``, gathered when
+    first asked)."""
 
-    __slots__ = ("table", "slots", "draw", "adjusted", "top_k", "top_p", "min_p", "_on_device")
+    __slots__ = ("table", "slots", "_decide", "_on_device")
 
-    def __init__(self, table: SamplingTable, slots: np.ndarray, host: dict[str, np.ndarray]) -> None:
-        """``host``: the host columns (``_ROW_COLUMNS``) of the rows at ``slots`` of ``table``, in their order."""
-        self.table, self.slots = table, slots
-        self.draw, self.adjusted, self.top_k = host["draw"], host["adjusted"], host["top_k"]
-        self.top_p, self.min_p = host["top_p"], host["min_p"]
+    def __init__(self, table: SamplingTable, slots: np.ndarray, decide: np.ndarray) -> None:
+        """``decide``: the rows' _DECIDE columns (the table's, gathered at ``slots``)."""
+        self.table, self.slots, self._decide = table, slots, decide
         self._on_device: torch.Tensor | None = None
 
+    def __getattr__(self, name: str) -> np.ndarray:
+        if name not in _DECIDE:
+            raise AttributeError(name)
+        return self._decide[:, _DECIDE.index(name)]
+
     def device(self, name: str) -> torch.Tensor:
-        """The rows' ``name`` (one of ``_DEVICE_COLUMNS``) on the device (a view: not to be changed in place)."""
+        """The rows' ``name`` (one of ``_MATH``) on the device (a view: not to be changed in place)."""
         if self._on_device is None:
             self._on_device = self.table.on_device(_to(self.table.device, self.slots))
-        return self._on_device[:, _DEVICE_COLUMNS.index(name)]
+        return self._on_device[:, _MATH.index(name)]
 
     def take(self, index: np.ndarray) -> _Settings:
         """The rows at ``index`` (ascending and distinct)."""
         if len(index) == len(self.slots):
             return self
-        return _Settings(self.table, self.slots[index], {name: getattr(self, name)[index] for name in _ROW_COLUMNS})
+        return _Settings(self.table, self.slots[index], self._decide[index])
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
