@@ -112,8 +112,9 @@ class SamplingTable:
     def settings(self, rows: Sequence[SamplingRow]) -> _Settings:
         """The settings of ``rows``, in their order (a row new here is given a slot)."""
         with self._lock:
-            slots = np.array([r.slot if r.table is self else self._place(r) for r in rows], dtype=np.int64)
-            return _Settings(self, slots, self._decide[slots])
+            ids = [r.slot if r.table is self else self._place(r) for r in rows]
+            slots = np.array(ids, dtype=np.int64)
+            return _Settings(self, slots, self._decide[slots], distinct=len(set(ids)) == len(ids))
 
     def on_device(self, index: torch.Tensor) -> torch.Tensor:
         """The device columns (``_MATH``) of the slots at ``index`` (a device tensor)."""
@@ -129,7 +130,7 @@ class SamplingTable:
         ``row.uniform()`` would give, one by one (per-row Python was a quarter of a 256-row top-p call)."""
         with self._lock:
             slots, cursor, ahead = settings.slots, self._cursor, self._ahead
-            if len(slots) > 1 and np.bincount(slots).max() > 1:  # (a row twice: one after the other)
+            if not settings.distinct:  # (a row twice: one after the other)
                 return np.array([self._uniform(r) for r in rows])
             used = cursor[slots]
             for i in np.flatnonzero(used == UNIFORMS_AHEAD):  # (a row's UNIFORMS_AHEAD-th step)
@@ -153,6 +154,13 @@ class SamplingTable:
     def free(self, slot: int) -> None:
         self._free.append(slot)
 
+    def give_up(self, slot: int) -> list[float]:
+        """Free ``slot`` of a row moving to another table; the numbers it drew ahead and has not used. (Only
+        the row's own engine's thread touches its slot, and the caller holds the other table's lock: no lock.)"""
+        unused = self._ahead[slot, self._cursor[slot]:].tolist()
+        self.free(slot)
+        return unused
+
     def _uniform(self, row: SamplingRow) -> float:
         cursor = self._cursor
         if cursor[row.slot] == UNIFORMS_AHEAD:
@@ -167,10 +175,8 @@ class SamplingTable:
 
     def _place(self, row: SamplingRow) -> int:
         """Give ``row`` a slot and write its settings there; the numbers it drew ahead come along."""
-        if row.table is not None:  # (sampled on another device or vocabulary before; only its own
-            old = row.table          # engine's thread touches its slot there, so no lock is needed)
-            unused = old._ahead[row.slot, old._cursor[row.slot]:].tolist()
-            old.free(row.slot)
+        if row.table is not None:  # (sampled on another device or vocabulary before)
+            unused = row.table.give_up(row.slot)
         else:
             unused = row.take_ahead()
         if self._free:
@@ -202,7 +208,8 @@ class SamplingTable:
         return _to(self.device, self._math)
 
 
-_DECIDE = ("draw", "adjusted", "top_k", "top_p", "min_p")  # (top_k: the vocabulary where a row has none)
+# (the order of _Settings' properties; top_k: the vocabulary where a row has none)
+_DECIDE = ("draw", "adjusted", "top_k", "top_p", "min_p")
 _MATH = ("temperature", "top_p", "min_p", "top_k")  # (float32: top_k is exact below 2**24)
 _TABLES: dict[tuple[str, int | None, int], SamplingTable] = {}
 
@@ -221,17 +228,32 @@ class _Settings:
     ``top_p``, ``min_p``) for its decisions, and the device's for the math (``device(name)``, gathered when
     first asked)."""
 
-    __slots__ = ("table", "slots", "_decide", "_on_device")
+    __slots__ = ("table", "slots", "distinct", "_decide", "_on_device")
 
-    def __init__(self, table: SamplingTable, slots: np.ndarray, decide: np.ndarray) -> None:
-        """``decide``: the rows' _DECIDE columns (the table's, gathered at ``slots``)."""
-        self.table, self.slots, self._decide = table, slots, decide
+    def __init__(self, table: SamplingTable, slots: np.ndarray, decide: np.ndarray, distinct: bool) -> None:
+        """``decide``: the rows' _DECIDE columns (the table's, gathered at ``slots``); ``distinct``: no row twice."""
+        self.table, self.slots, self.distinct, self._decide = table, slots, distinct, decide
         self._on_device: torch.Tensor | None = None
 
-    def __getattr__(self, name: str) -> np.ndarray:
-        if name not in _DECIDE:
-            raise AttributeError(name)
-        return self._decide[:, _DECIDE.index(name)]
+    @property
+    def draw(self) -> np.ndarray:
+        return self._decide[:, 0]
+
+    @property
+    def adjusted(self) -> np.ndarray:
+        return self._decide[:, 1]
+
+    @property
+    def top_k(self) -> np.ndarray:
+        return self._decide[:, 2]
+
+    @property
+    def top_p(self) -> np.ndarray:
+        return self._decide[:, 3]
+
+    @property
+    def min_p(self) -> np.ndarray:
+        return self._decide[:, 4]
 
     def device(self, name: str) -> torch.Tensor:
         """The rows' ``name`` (one of ``_MATH``) on the device (a view: not to be changed in place)."""
@@ -243,7 +265,7 @@ class _Settings:
         """The rows at ``index`` (ascending and distinct)."""
         if len(index) == len(self.slots):
             return self
-        return _Settings(self.table, self.slots[index], self._decide[index])
+        return _Settings(self.table, self.slots[index], self._decide[index], self.distinct)
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
