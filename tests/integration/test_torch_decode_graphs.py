@@ -188,39 +188,43 @@ def test_mixed_steps_run_decodes_and_tails_through_the_graphs_and_keep_every_row
 
 def test_the_persistent_batch_rewrites_only_rows_whose_table_changed(backend: TorchBackend, monkeypatch) -> None:
     """The buckets' host mirror after each step equals a fresh rebuild of every input, while only rows that
-    hold another sequence, or whose sequence reached a new block, have their mask rows rebuilt."""
+    hold another sequence, or whose sequence reached a new block, have their mask rows rebuilt, and only
+    those and rows not one token further have their KV write slot looked up (the others' advance by one)."""
     from cllm.backends.torch import cuda_graphs
 
-    rebuilt: list[int] = []
-    original = cuda_graphs.decode_mask_arrays
-    monkeypatch.setattr(cuda_graphs, "decode_mask_arrays", lambda lens, tables, cache, **kw: (
-        rebuilt.append(len(lens)), original(lens, tables, cache, **kw))[1])
+    rebuilt: list[int] = []  # rows of mask arrays rebuilt
+    looked_up: list[int] = []  # rows whose write slot was looked up in their table
+    for name, counts in (("decode_mask_arrays", rebuilt), ("slot_mapping", looked_up)):
+        original = getattr(cuda_graphs, name)
+        monkeypatch.setattr(cuda_graphs, name, lambda first, *args, _f=original, _c=counts, **kw: (
+            _c.append(len(first)), _f(first, *args, **kw))[1])
     graphs = DecodeGraphs(backend.model, backend.kv, buckets=graph_buckets(8), scratch_block=backend._scratch_block,
                           flex_fn=backend._flex_fn, capture=False, q_per_kv=2)
-    a, b, c = [10, 11], [12, 13, 14], [15]  # block tables (BLOCK = 4 tokens each)
+    a, b, c = [10, 11, 17], [12, 13, 14, 18], [15]  # block tables (BLOCK = 4 tokens each)
 
-    def step(rows: list[tuple[list[int], int]]) -> int:
-        rebuilt.clear()
+    def step(rows: list[tuple[list[int], int]]) -> tuple[int, int]:
         chunks = [SeqChunk(i, 1, pos, table) for i, (table, pos) in enumerate(rows)]
         ids = np.arange(len(rows), dtype=np.int64) + 7
         size = bucket_for(len(rows), graphs.buckets)
         padded_ids, padded = pad_decode(ids, chunks, size, backend._scratch_block)
         bucket = graphs._bucket(size)
-        rebuilt.clear()  # (building the bucket rebuilds its idle rows once)
+        rebuilt.clear(), looked_up.clear()  # (building the bucket rebuilds its idle rows once)
         graphs._fill(bucket, padded_ids, padded)
-        changed = sum(rebuilt)
+        counts = sum(rebuilt), sum(looked_up)
         for name, values in graphs._arrays(padded_ids, padded).items():
             np.testing.assert_array_equal(bucket.inputs.host[name], values, err_msg=name)
-        return changed
+        return counts
 
-    assert step([(a, 5), (b, 9), (c, 2)]) == 4  # first use of bucket 4: every row (3 + 1 padding)
-    assert step([(a, 6), (b, 10), (c, 3)]) == 0  # each sequence one further, no new block: no table rebuilt
+    # (tables rebuilt, slots looked up); the padding row sits at position 0 every step: always looked up
+    assert step([(a, 5), (b, 8), (c, 2)]) == (4, 4)  # first use of bucket 4: every row (3 + 1 padding)
+    assert step([(a, 6), (b, 9), (c, 3)]) == (0, 1)  # each sequence one further, no new block: only the padding
     c.append(16)
-    assert step([(a, 7), (b, 11), (c, 4)]) == 1  # c reached its second block
-    assert step([(b, 11), (a, 7), (c, 4)]) == 2  # two rows changed hands
+    assert step([(a, 7), (b, 10), (c, 4)]) == (1, 2)  # c reached its second block
+    assert step([(a, 7), (b, 11), (c, 5)]) == (0, 2)  # a stayed at its position: looked up again
+    assert step([(b, 12), (a, 8), (c, 6)]) == (2, 3)  # two rows changed hands
     a = list(a)  # a table replaced (a sequence cut back): its row is rewritten even with equal contents
-    assert step([(b, 11), (a, 7), (c, 4)]) == 1
-    assert step([(b, 11), (a, 7)]) == 2  # bucket 2 first used: both rows
+    assert step([(b, 13), (a, 9), (c, 7)]) == (1, 2)
+    assert step([(b, 14), (a, 10)]) == (2, 2)  # bucket 2 first used: both rows
 
 
 def test_a_step_launched_ahead_takes_its_ids_on_the_device(backend: TorchBackend) -> None:

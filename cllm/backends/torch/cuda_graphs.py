@@ -18,10 +18,13 @@ shapes and fixed tensor addresses, so:
   block table from the last step, and a step rewrites a row's table only
   when the row now holds another sequence or its sequence reached a new
   block (a sequence keeps its row while the batch's order holds, which the
-  scheduler's decode order does); positions, write rows and ids are per-row
-  vectors written whole. At 256 decoding sequences that turns the tables'
-  rebuild (one scatter over every block of every row, plus a per-row lookup
-  on CPU) into a few rows' worth. One asynchronous copy per dtype then
+  scheduler's decode order does). A row's KV write rows (its slot mapping)
+  advance by one slot while its sequence is one token further in the same
+  block; only the other rows' slots are looked up in their tables. Ids and
+  positions are per-row vectors written whole (the engine hands the
+  positions over each step). At 256 decoding sequences that turns the
+  tables' rebuild (one scatter over every block of every row, plus a per-row
+  lookup on CPU) into a few rows' worth. One asynchronous copy per dtype then
   uploads the mirror; a step launched ahead (the lookahead) copies its ids
   device to device after it.
 
@@ -147,6 +150,7 @@ class DecodeGraphs:
         self._by_size: dict[int, _Bucket] = {}
         self._pool: tuple[int, int] | None = None  # memory pool shared by all captured graphs
         self._logits: torch.Tensor | None = None  # [largest bucket, vocab] float32: every graph's output rows
+        self._next_slot = cache.write_rows(np.ones(1, dtype=np.int64)) - cache.write_rows(np.zeros(1, dtype=np.int64))
 
     def capture_all(self, on_each: Callable[[], None] | None = None) -> None:
         """Build (and on CUDA capture) every bucket up front, largest first (graphs share a memory pool);
@@ -191,15 +195,23 @@ class DecodeGraphs:
         host = bucket.inputs.writable()
         pos = np.fromiter((c.start_pos for c in chunks), dtype=np.int64, count=len(chunks))
         blocks = -(-(pos + 1) // bs)
-        host["ids"][...] = ids
-        host["positions"][...] = pos
-        host["write_rows"][...] = cache.write_rows(slot_mapping(chunks, bs))
-        host["base"][...] = pos
         tables = bucket.tables
         if len(tables) != len(chunks):
             tables[:] = [(None, 0)] * len(chunks)
         changed = [i for i, (c, (table, held)) in enumerate(zip(chunks, tables))
                    if held != blocks[i] or not _same_table(table, c.block_ids)]
+        # A row whose sequence is one token further in the same block writes the slot after the last one;
+        # only the others' slots are looked up in their tables (a new block is a changed table).
+        moved = host["positions"] != pos - 1
+        moved[changed] = True
+        rows = host["write_rows"].reshape(len(chunks), -1)
+        rows += self._next_slot
+        if moved.any():
+            again = np.flatnonzero(moved)
+            rows[again] = cache.write_rows(slot_mapping([chunks[i] for i in again], bs)).reshape(len(again), -1)
+        host["ids"][...] = ids
+        host["positions"][...] = pos
+        host["base"][...] = pos
         if changed:
             rows = decode_mask_arrays((pos[changed] + 1).tolist(), [chunks[i].block_ids for i in changed], cache)
             for name, values in rows.items():
