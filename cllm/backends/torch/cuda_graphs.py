@@ -204,11 +204,11 @@ class DecodeGraphs:
         # only the others' slots are looked up in their tables (a new block is a changed table).
         moved = host["positions"] != pos - 1
         moved[changed] = True
-        rows = host["write_rows"].reshape(len(chunks), -1)
-        rows += self._next_slot
+        write_rows = host["write_rows"].reshape(len(chunks), -1)  # (a view: one row of kv-head entries per row)
+        write_rows += self._next_slot
         if moved.any():
             again = np.flatnonzero(moved)
-            rows[again] = cache.write_rows(slot_mapping([chunks[i] for i in again], bs)).reshape(len(again), -1)
+            write_rows[again] = cache.write_rows(slot_mapping([chunks[i] for i in again], bs)).reshape(len(again), -1)
         host["ids"][...] = ids
         host["positions"][...] = pos
         host["base"][...] = pos
